@@ -1,0 +1,152 @@
+"""``compile``: checkpoint -> traced graph -> passes -> verified artifact directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kiln.runtimes as kr
+from kiln import __version__
+from kiln.compiler import cases as case_lib
+from kiln.compiler.artifact import check_output, staging, tool_versions, write_manifest
+from kiln.compiler.load import Checkpoint, load_checkpoint
+from kiln.compiler.options import PRECISIONS, TASKS, CompileOptions
+from kiln.compiler.pipeline import select_passes
+from kiln.compiler.trace import EagerRunner, export, io_specs
+from kiln.compiler.verify import failures, latency, verify
+from kiln.errors import ParityError, UsageError
+from kiln.passes import check_disabled, run_passes
+from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+GRAPH = "model.onnx"
+
+
+def _check_options(options: CompileOptions) -> None:
+    if options.precision not in PRECISIONS:
+        raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+    if options.task is not None and options.task not in TASKS:
+        raise UsageError(f"task {options.task!r} is unknown; choose one of {', '.join(TASKS)}")
+
+
+def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions | None = None,
+            progress: Progress | None = None) -> Path:
+    """Compile a Hugging Face checkpoint directory into a verified artifact at ``output``."""
+    options = options or CompileOptions()
+    say = progress or (lambda msg: log.info(msg))
+    _check_options(options)
+    output = Path(output).absolute()
+    check_output(output, options.force)
+    say(f"load {checkpoint}")
+    ckpt = load_checkpoint(checkpoint, options.task)
+    with staging(output, options.force) as root:
+        build(ckpt, root, options, say)
+    say(f"wrote {output}")
+    return output
+
+
+def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) -> None:
+    say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
+    graph_files = export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
+    passes = select_passes(ckpt.kind, options.precision)
+    check_disabled(passes, options.disabled_passes)
+    record: list[dict[str, Any]] = []
+    if passes:
+        import onnx
+
+        model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)
+        external = len(graph_files) > 1
+        for f in graph_files:
+            f.unlink()
+        onnx.save_model(model, str(root / GRAPH), save_as_external_data=external,
+                        all_tensors_to_one_file=True, location=GRAPH + ".data")
+
+    tok = case_lib.load_hf_tokenizer(ckpt.path)
+    tokenizer_spec = copy_tokenizer(ckpt, tok, root)
+    manifest = manifest_data(ckpt, options, record, tokenizer_spec)
+    write_manifest(root, manifest)
+    if not options.verify:
+        say("verification skipped (--no-verify)")
+        return
+
+    inputs = [s.name for s in io_specs(ckpt)[0]]
+    cases = case_lib.text_cases(ckpt, tok, inputs) if tok is not None else []
+    cases += case_lib.random_cases(ckpt, inputs, options.verify_max_length, options.seed)
+    eager = EagerRunner(ckpt, options.threads)
+    with kr.load(root, threads=options.threads) as artifact:
+        report = verify(eager, artifact, cases, options.precision, say)
+        if report["passed"]:
+            say("measure latency (eager vs artifact)")
+            feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
+            report["latency"] = latency(eager, artifact, feeds, options.latency_budget_s)
+    report = {"schema_version": SCHEMA_VERSION, "checkpoint": str(ckpt.path), **report}
+    if not report["passed"]:
+        kept = Path(tempfile.mkdtemp(prefix="kiln-parity-")) / REPORT
+        kept.write_text(json.dumps(report, indent=2))
+        problems = failures(report)
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ParityError(
+            f"parity check failed for {ckpt.path}: {'; '.join(problems[:3])}{more}; "
+            f"no artifact written, full report in {kept}"
+        )
+    (root / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    manifest["verification"] = {"status": "passed", "report": REPORT, "summary": report["summary"],
+                                "latency": report.get("latency")}
+    write_manifest(root, manifest)
+
+
+def copy_tokenizer(ckpt: Checkpoint, tok: Any | None, root: Path) -> dict[str, Any] | None:
+    if tok is None:
+        return None
+    for name in ckpt.tokenizer_files:
+        if name != "tokenizer.json":
+            shutil.copy2(ckpt.path / name, root / name)
+    # Saved from the loaded fast tokenizer, so checkpoints that ship only vocab files get one too.
+    tok.backend_tokenizer.save(str(root / "tokenizer.json"))
+    return {
+        "file": "tokenizer.json",
+        "pad_token_id": case_lib.pad_token_id(ckpt, tok),
+        "padding_side": case_lib.padding_side(ckpt),
+        "add_special_tokens": True,
+        "eos_token_id": tok.eos_token_id,
+        "bos_token_id": tok.bos_token_id,
+    }
+
+
+def manifest_data(ckpt: Checkpoint, options: CompileOptions, record: list[dict[str, Any]],
+                  tokenizer: dict[str, Any] | None) -> dict[str, Any]:
+    inputs, outputs = io_specs(ckpt)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kiln_version": __version__,
+        "model": {
+            "architecture": ckpt.architecture,
+            "model_type": ckpt.model_type,
+            "kind": ckpt.kind,
+            "task": ckpt.task,
+            "max_sequence_length": ckpt.max_length,
+            "vocab_size": int(ckpt.config.vocab_size),
+            "num_layers": int(getattr(ckpt.config, "num_hidden_layers", 0) or getattr(ckpt.config, "n_layer", 0)),
+            "labels": ckpt.labels,
+            "pooling": ckpt.pooling,
+            "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256},
+        },
+        "inputs": [s.to_json() for s in inputs],
+        "outputs": [s.to_json() for s in outputs],
+        "graphs": {"model": GRAPH},
+        "opset": options.opset,
+        "precision": options.precision,
+        "target": "onnxruntime-cpu",
+        "passes": record,
+        "tokenizer": tokenizer,
+        "verification": {"status": "skipped" if not options.verify else "pending"},
+        "options": options.to_json(),
+        "tool_versions": tool_versions(),
+    }

@@ -1,0 +1,200 @@
+"""``kiln`` command line. Exit codes: 0 success, 1 the job failed, 2 bad usage.
+
+``kiln run`` uses only ``kiln.runtimes``; torch is imported by ``kiln compile`` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kiln import __version__
+from kiln.errors import KilnError, UsageError
+
+
+class _Progress:
+    """One line per step on stderr with elapsed seconds, so long exports and checks show life."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.start = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[kiln {time.perf_counter() - self.start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kiln.compiler.options import PRECISIONS, TASKS, CompileOptions
+
+    d = CompileOptions()
+    p = argparse.ArgumentParser(prog="kiln", description="Compile Transformers into verified deployment artifacts.")
+    p.add_argument("--version", action="version", version=f"kiln {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="checkpoint directory -> verified artifact directory")
+    c.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json + weights)")
+    c.add_argument("-o", "--output", required=True, help="artifact directory to create")
+    c.add_argument("--task", choices=TASKS, default=d.task, help="override the head implied by config.architectures")
+    c.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+    c.add_argument("--opset", type=int, default=d.opset)
+    c.add_argument("--threads", type=int, default=d.threads, help="threads for verification and latency (default: all)")
+    c.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check (recorded)")
+    c.add_argument("--force", action="store_true", help="replace an existing output directory")
+    c.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
+    c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
+                   help="longest random sequence in the parity check")
+    c.add_argument("--seed", type=int, default=d.seed)
+    c.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    r = sub.add_parser("run", help="run an artifact once on text or token ids")
+    r.add_argument("artifact")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", action="append", help="input text (repeat for a batch)")
+    src.add_argument("--ids", help="comma-separated token ids")
+    r.add_argument("--truncate", action="store_true", help="cut text longer than the model's maximum")
+    r.add_argument("--threads", type=int, default=None)
+    r.add_argument("--top", type=int, default=5, help="how many labels or next tokens to show")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed the usage error
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"compile": cmd_compile, "run": cmd_run}[args.command](args)
+    except KilnError as e:
+        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"kiln {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from kiln.compiler.build import compile
+    from kiln.compiler.options import CompileOptions
+
+    opts = CompileOptions(
+        task=args.task, precision=args.precision, opset=args.opset, verify=args.verify, force=args.force,
+        threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed,
+        disabled_passes=tuple(args.disable_pass),
+    )
+    out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
+    manifest = json.loads((out / "manifest.json").read_text())
+    if args.json:
+        print(json.dumps({"artifact": str(out), "model": manifest["model"], "verification": manifest["verification"]}, indent=2))
+    else:
+        print(parity_table(manifest))
+    return 0
+
+
+def parity_table(manifest: dict[str, Any]) -> str:
+    """Human summary of a manifest's verification: worst error per output and latency."""
+    m = manifest["model"]
+    v = manifest["verification"]
+    lines = [f"{m['architecture']} ({m['kind']}, {m['task']}) -> {manifest['precision']}, verification {v['status']}"]
+    if v["status"] != "passed":
+        return lines[0]
+    lines.append(f"  {'output':<20} {'max abs err':>12} {'max rel err':>12} {'cosine min':>11} {'top-1':>7}")
+    for name, s in v["summary"].items():
+        top1 = f"{s['top1_agreement']:.1%}" if "top1_agreement" in s else "-"
+        lines.append(f"  {name:<20} {s['max_abs']:>12.3g} {s['max_rel']:>12.3g} {s['cosine_min']:>11.6f} {top1:>7}")
+    lat = v.get("latency")
+    if lat:
+        b, t = lat["shape"]
+        lines.append(f"  latency batch {b} seq {t}: eager {lat['eager_ms']:.2f} ms, artifact {lat['artifact_ms']:.2f} ms "
+                     f"({lat['speedup']:.2f}x)")
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import kiln.runtimes as kr
+
+    model = kr.load(args.artifact, threads=args.threads)
+    if args.text:
+        feeds = model.encode(args.text, truncate=args.truncate)
+    else:
+        try:
+            ids = [int(x) for x in args.ids.split(",") if x.strip()]
+        except ValueError as e:
+            raise UsageError(f"--ids {args.ids!r} is not a comma-separated list of integers") from e
+        if not ids:
+            raise UsageError("--ids is empty; give at least one token id")
+        feeds = {"input_ids": np.asarray([ids], dtype=np.int64)}
+    outputs = model.run(feeds)
+    summary = summarize(model, feeds, outputs, args.top)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def summarize(model: Any, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray], top: int) -> dict[str, Any]:
+    m = model.manifest.data["model"]
+    out: dict[str, Any] = {"task": m["task"], "shapes": {k: list(v.shape) for k, v in outputs.items()}}
+    lengths = feeds.get("attention_mask", np.ones_like(feeds["input_ids"])).sum(1)
+    if "sentence_embedding" in outputs:
+        emb = outputs["sentence_embedding"]
+        out["embedding"] = emb.tolist()
+        out["norm"] = np.linalg.norm(emb, axis=1).tolist()
+    elif m["task"] == "causal-lm":
+        rows = []
+        for b, n in enumerate(lengths):
+            pos = -1 if model.manifest.tokenizer and model.manifest.tokenizer.get("padding_side") == "left" else int(n) - 1
+            rows.append(_top(outputs["logits"][b, pos], top, model))
+        out["next_token"] = rows
+    elif m["task"] == "sequence-classification":
+        out["labels"] = [_top(row, top, model, labels=m["labels"]) for row in outputs["logits"]]
+    else:
+        name = "last_hidden_state" if "last_hidden_state" in outputs else "logits"
+        h = outputs[name]
+        mask = feeds.get("attention_mask", np.ones(h.shape[:2], dtype=np.int64))[..., None]
+        out["mean_pooled"] = ((h * mask).sum(1) / mask.sum(1)).tolist()
+    return out
+
+
+def _top(logits: np.ndarray, k: int, model: Any, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    z = logits.astype(np.float64) - logits.max()
+    p = np.exp(z) / np.exp(z).sum()
+    best = np.argsort(-p)[:k]
+    rows = []
+    for i in best:
+        if labels is not None:
+            name = labels.get(str(int(i)), str(int(i)))
+        elif model.manifest.tokenizer:
+            name = model.text_encoder.id_to_token(int(i))
+        else:
+            name = str(int(i))
+        rows.append({"id": int(i), "token": name, "p": float(p[i])})
+    return rows
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [f"task {s['task']}; outputs " + ", ".join(f"{k} {v}" for k, v in s["shapes"].items())]
+    if "embedding" in s:
+        for i, (e, n) in enumerate(zip(s["embedding"], s["norm"])):
+            head = ", ".join(f"{x:+.4f}" for x in e[:6])
+            lines.append(f"[{i}] sentence_embedding dim {len(e)} norm {n:.4f}: [{head}, ...]")
+    for key in ("next_token", "labels"):
+        for i, row in enumerate(s.get(key, [])):
+            lines.append(f"[{i}] {key}: " + ", ".join(f"{r['token']!r} {r['p']:.3f}" for r in row))
+    for i, e in enumerate(s.get("mean_pooled", [])):
+        head = ", ".join(f"{x:+.4f}" for x in e[:6])
+        lines.append(f"[{i}] mean-pooled dim {len(e)}: [{head}, ...]")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The one place compile defaults live: the CLI, the Python API and the manifest all read them here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm")
+PRECISIONS = ("fp32",)
+
+
+@dataclass
+class CompileOptions:
+    task: str | None = None
+    """Override the head the checkpoint's ``architectures`` implies (one of TASKS)."""
+    precision: str = "fp32"
+    opset: int = 23
+    verify: bool = True
+    """Run the parity check; ``False`` is recorded in the manifest."""
+    force: bool = False
+    """Replace an existing output directory."""
+    threads: int | None = None
+    """Intra-op threads for verification and latency, eager and artifact alike (None: all cores)."""
+    verify_max_length: int = 512
+    """Longest random sequence the parity check runs (capped at the model's maximum)."""
+    latency_shape: tuple[int, int] = (1, 128)
+    """(batch, sequence) at which eager and artifact latency are measured (sequence capped)."""
+    latency_budget_s: float = 4.0
+    """Seconds spent timing eager and artifact together (alternating rounds)."""
+    seed: int = 0
+    disabled_passes: tuple[str, ...] = ()
+    external_data_threshold: int = 1 << 30
+    """Graphs whose weights exceed this many bytes keep them in ``model.onnx.data``."""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["latency_shape"] = list(self.latency_shape)
+        d["disabled_passes"] = list(self.disabled_passes)
+        return d

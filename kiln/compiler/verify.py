@@ -1,0 +1,164 @@
+"""Parity and latency between any two runners (``run(feeds) -> dict``); knows no backend.
+
+A case is a dict of feeds. Per output it measures max abs error, max relative error, minimum
+cosine similarity of rows and, for logits, top-1 agreement; the tolerance table per precision
+decides pass or fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Feeds = dict[str, np.ndarray]
+
+
+class Runner(Protocol):
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    abs_factor: float
+    """max abs error allowed = abs_factor * max(1, max |reference|) per output and case."""
+    min_top1: float
+    """top-1 agreement required on logits, over positions where the reference is decisive."""
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "fp32": Tolerance(abs_factor=1e-4, min_top1=1.0),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    feeds: Feeds
+    source: str  # "text" | "random"
+
+
+def _rows(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten to (rows, features), keeping only real-token positions of per-token outputs."""
+    if mask is not None and a.ndim >= 2 and a.shape[:2] == mask.shape:
+        keep = mask.astype(bool)
+        return a[keep].reshape(int(keep.sum()), -1), b[keep].reshape(int(keep.sum()), -1)
+    lead = a.shape[0] if a.ndim > 1 else 1
+    return a.reshape(lead, -1), b.reshape(lead, -1)
+
+
+def compare_output(name: str, ref: np.ndarray, got: np.ndarray, mask: np.ndarray | None, tol: Tolerance) -> dict[str, Any]:
+    if ref.shape != got.shape:
+        return {"passed": False, "error": f"shape {list(got.shape)} != reference {list(ref.shape)}"}
+    r, g = _rows(ref.astype(np.float64), got.astype(np.float64), mask)
+    if r.size == 0:
+        return {"passed": True, "compared": 0}
+    if not np.isfinite(g).all():
+        return {"passed": False, "error": "artifact produced NaN or Inf at real-token positions"}
+    diff = np.abs(r - g)
+    scale = max(1.0, float(np.abs(r).max()))
+    atol = tol.abs_factor * scale
+    max_abs = float(diff.max())
+    max_rel = float((diff / (np.abs(r) + 1e-6 * scale)).max())
+    norms = np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1)
+    cos = np.where(norms > 0, (r * g).sum(1) / np.maximum(norms, 1e-300), 1.0)
+    out: dict[str, Any] = {
+        "compared": int(r.shape[0]), "max_abs": max_abs, "atol": atol, "max_rel": max_rel,
+        "cosine_min": float(cos.min()), "passed": max_abs <= atol,
+    }
+    if name == "logits" and r.shape[1] > 1:
+        top = np.sort(r, axis=1)
+        # Where the reference's best two logits are closer than the tolerance, either is a correct answer.
+        decisive = (top[:, -1] - top[:, -2]) > atol
+        agree = r.argmax(1) == g.argmax(1)
+        out["top1_agreement"] = float(agree[decisive].mean()) if decisive.any() else 1.0
+        out["top1_agreement_all"] = float(agree.mean())
+        out["top1_ties_excluded"] = int((~decisive).sum())
+        out["passed"] = out["passed"] and out["top1_agreement"] >= tol.min_top1
+    return out
+
+
+def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: str,
+           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    tol = TOLERANCES[precision]
+    results = []
+    for i, case in enumerate(cases):
+        if progress:
+            progress(f"verify {i + 1}/{len(cases)}: {case.name}")
+        ref = reference.run(case.feeds)
+        got = candidate.run(case.feeds)
+        mask = case.feeds.get("attention_mask")
+        outputs = {n: compare_output(n, ref[n], got[n], mask, tol) for n in ref}
+        shape = list(case.feeds["input_ids"].shape)
+        results.append({"name": case.name, "source": case.source, "shape": shape, "outputs": outputs,
+                        "passed": all(o["passed"] for o in outputs.values())})
+    return {
+        "precision": precision, "tolerance": asdict(tol), "cases": results,
+        "summary": summarize(results), "passed": all(r["passed"] for r in results),
+    }
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Worst value of each metric per output across cases."""
+    worst: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for name, o in r["outputs"].items():
+            w = worst.setdefault(name, {"max_abs": 0.0, "max_rel": 0.0, "cosine_min": 1.0, "passed": True})
+            w["passed"] = w["passed"] and o["passed"]
+            if "error" in o:
+                w["error"] = o["error"]
+                continue
+            if not o.get("compared"):
+                continue
+            w["max_abs"] = max(w["max_abs"], o["max_abs"])
+            w["max_rel"] = max(w["max_rel"], o["max_rel"])
+            w["cosine_min"] = min(w["cosine_min"], o["cosine_min"])
+            if "top1_agreement" in o:
+                w["top1_agreement"] = min(w.get("top1_agreement", 1.0), o["top1_agreement"])
+    return worst
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """One short phrase per failing (case, output), for the error message."""
+    out = []
+    for r in report["cases"]:
+        for name, o in r["outputs"].items():
+            if o["passed"]:
+                continue
+            if "error" in o:
+                out.append(f"{r['name']} {name}: {o['error']}")
+            elif o["max_abs"] > o["atol"]:
+                out.append(f"{r['name']} {name}: max abs error {o['max_abs']:.3g} > {o['atol']:.3g}")
+            else:
+                out.append(f"{r['name']} {name}: top-1 agreement {o['top1_agreement']:.2%}")
+    return out
+
+
+def median_latency_ms(runner: Runner, feeds: Feeds, warmup: int = 3, budget_s: float = 2.0,
+                      min_runs: int = 5, max_runs: int = 50) -> float:
+    for _ in range(warmup):
+        runner.run(feeds)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        runner.run(feeds)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def latency(reference: Runner, candidate: Runner, feeds: Feeds, budget_s: float = 4.0) -> dict[str, Any]:
+    """Median latency of both, measured in alternating rounds so drift hits both alike."""
+    eager, artifact = [], []
+    for _ in range(3):
+        eager.append(median_latency_ms(reference, feeds, warmup=2, budget_s=budget_s / 6, min_runs=3))
+        artifact.append(median_latency_ms(candidate, feeds, warmup=2, budget_s=budget_s / 6, min_runs=3))
+    e, a = statistics.median(eager), statistics.median(artifact)
+    return {"shape": list(feeds["input_ids"].shape), "eager_ms": e, "artifact_ms": a, "speedup": e / a}

@@ -1,0 +1,92 @@
+"""The pass contract and the runner that applies a list of passes and records their stats."""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from kiln.errors import KilnError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a candidate was not rewritten: where (a node or layer name) and why."""
+
+    where: str
+    why: str
+
+
+@dataclass
+class PassResult:
+    model: onnx.ModelProto
+    modified: bool
+    stats: dict[str, int] = field(default_factory=dict)
+    skipped: list[Reason] = field(default_factory=list)
+
+
+class PassError(KilnError):
+    """A pass raised, or left a graph that does not check; names the pass and those before it."""
+
+
+class Pass(abc.ABC):
+    """One graph rewrite. ``name`` is what ``--disable-pass`` and the manifest use."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def run(self, model: onnx.ModelProto) -> PassResult: ...
+
+
+def _check(model: onnx.ModelProto) -> None:
+    # Graphs over 2 GB can only be checked from a path; the exporter already checked those.
+    if model.ByteSize() < (2 << 30) - (1 << 20):
+        onnx.checker.check_model(model)
+
+
+def check_disabled(passes: Sequence[Pass], disabled: Sequence[str]) -> None:
+    """A misspelt ``--disable-pass`` must fail loudly, not silently disable nothing."""
+    known = {p.name for p in passes}
+    unknown = sorted(set(disabled) - known)
+    if unknown:
+        raise PassError(
+            f"--disable-pass {', '.join(unknown)}: no such pass in this pipeline; "
+            f"passes: {', '.join(sorted(known)) or '(none)'}"
+        )
+
+
+def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], disabled: Sequence[str] = (),
+               progress: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """Apply ``passes`` in order, skipping those named in ``disabled``; return the model and the record."""
+    check_disabled(passes, disabled)
+    record: list[dict[str, Any]] = []
+    done: list[str] = []
+    for p in passes:
+        if p.name in disabled:
+            record.append({"name": p.name, "disabled": True, "stats": {}})
+            continue
+        if progress:
+            progress(f"pass {p.name}")
+        try:
+            result = p.run(model)
+            _check(result.model)
+        except KilnError:
+            raise
+        except Exception as e:
+            after = f" after {', '.join(done)}" if done else ""
+            detail = " ".join(str(e).split())  # checker messages span lines; errors are one line
+            raise PassError(f"pass {p.name} failed{after}: {detail}; disable it with --disable-pass {p.name}") from e
+        model = result.model
+        done.append(p.name)
+        entry: dict[str, Any] = {"name": p.name, "modified": result.modified, "stats": dict(result.stats)}
+        if result.skipped:
+            entry["skipped"] = [{"where": r.where, "why": r.why} for r in result.skipped]
+        record.append(entry)
+        log.info("pass %s: %s", p.name, result.stats)
+    return model, record

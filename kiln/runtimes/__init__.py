@@ -1,0 +1,40 @@
+"""Load and run kiln artifacts with numpy and a backend only (never torch).
+
+    import kiln.runtimes as kr
+    model = kr.load("out/")
+    outputs = model.run({"input_ids": ids, "attention_mask": mask})
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.errors import ArtifactError, InputError, KilnError
+from kiln.runtimes.artifact import Manifest, TensorSpec, read_manifest
+from kiln.runtimes.base import Runtime
+from kiln.runtimes.model import Model
+
+BACKENDS = ("onnxruntime",)
+
+__all__ = ["load", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "InputError", "KilnError"]
+
+
+def make_runtime(backend: str, threads: int | None = None, optimization: str = "all") -> Runtime:
+    if backend == "onnxruntime":
+        from kiln.runtimes.onnxruntime import OnnxRuntime
+
+        return OnnxRuntime(threads=threads, optimization=optimization)
+    raise ArtifactError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def load(path: str | Path, backend: str = "onnxruntime", threads: int | None = None,
+         optimization: str = "all") -> Model:
+    """Open an artifact directory: check its manifest and file checksums, then start the backend.
+
+    ``threads`` sets the backend's intra-op threads (default: the backend's own choice);
+    ``optimization`` is ONNX Runtime's graph optimisation level: disabled, basic or all.
+    """
+    manifest = read_manifest(path)
+    runtime = make_runtime(backend, threads=threads, optimization=optimization)
+    runtime.load(manifest)
+    return Model(manifest, runtime)

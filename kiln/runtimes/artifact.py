@@ -1,0 +1,121 @@
+"""Reading an artifact directory: the manifest, its schema version and the file checksums.
+
+The writer lives in ``kiln.compiler.artifact``; both agree on the names defined here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import ArtifactError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+REPORT = "report.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output. ``shape`` holds ints (static) and names (dynamic axes)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+    optional: bool = False
+    default: str | None = None  # how a missing optional input is filled: "ones" or "zeros"
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TensorSpec":
+        return cls(d["name"], d["dtype"], tuple(d["shape"]), d.get("optional", False), d.get("default"))
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.optional:
+            d["optional"] = True
+            d["default"] = self.default
+        return d
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path
+    data: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.data["model"]["kind"]
+
+    @property
+    def max_sequence_length(self) -> int:
+        return int(self.data["model"]["max_sequence_length"])
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec.from_json(d) for d in self.data["inputs"]]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec.from_json(d) for d in self.data["outputs"]]
+
+    def graph_path(self, name: str = "model") -> Path:
+        return self.root / self.data["graphs"][name]
+
+    @property
+    def tokenizer(self) -> dict[str, Any] | None:
+        return self.data.get("tokenizer")
+
+
+_REQUIRED_KEYS = ("schema_version", "model", "inputs", "outputs", "graphs", "precision", "passes", "files")
+
+
+def read_manifest(root: str | Path, verify_files: bool = True) -> Manifest:
+    """Load ``manifest.json`` from an artifact directory and check it against the files beside it."""
+    root = Path(root)
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtifactError(f"artifact {root} does not exist or is not a directory; pass the directory `kiln compile -o` wrote")
+    if not path.is_file():
+        raise ArtifactError(f"artifact {root} has no {MANIFEST}; it is not a kiln artifact or its build did not finish, recompile it")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the artifact") from e
+    missing = [k for k in _REQUIRED_KEYS if k not in data]
+    if missing:
+        raise ArtifactError(f"{path} lacks {', '.join(missing)}; recompile the artifact with this kiln")
+    version = data["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{path} has schema_version {version}, this kiln reads {SCHEMA_VERSION}; "
+            "recompile the artifact or install the kiln release that wrote it"
+        )
+    if verify_files:
+        verify_checksums(root, data["files"])
+    return Manifest(root, data)
+
+
+def verify_checksums(root: Path, files: dict[str, str]) -> None:
+    for rel, expected in files.items():
+        p = root / rel
+        if not p.is_file():
+            raise ArtifactError(f"artifact file {p} is missing; the artifact is incomplete, recompile it")
+        actual = sha256_file(p)
+        if actual != expected:
+            raise ArtifactError(
+                f"artifact file {p} does not match its sha256 in {MANIFEST} (tampered with or corrupt); recompile the artifact"
+            )

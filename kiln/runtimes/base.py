@@ -1,0 +1,101 @@
+"""The interface every backend implements, and the feed checks shared by all of them.
+
+Feeds are validated once here, against the manifest, so every backend reports a wrong name,
+dtype, rank or length the same way (the Polygraphy runner does the same for its backends).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+
+import numpy as np
+
+from kiln.errors import InputError
+from kiln.runtimes.artifact import Manifest, TensorSpec
+
+_KINDS = {"int64": "i", "int32": "i", "float32": "f", "float16": "f", "bool": "b"}
+
+
+class Runtime(abc.ABC):
+    """A backend that runs one artifact graph: ``load``, then ``run`` any number of times, then ``close``."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def load(self, manifest: Manifest, graph: str = "model") -> None: ...
+
+    @abc.abstractmethod
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run on already validated feeds; return every output by name."""
+
+    def close(self) -> None:
+        """Release the backend's resources; the runtime cannot run afterwards."""
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def prepare_feeds(specs: list[TensorSpec], feeds: Mapping[str, object], max_sequence_length: int) -> dict[str, np.ndarray]:
+    """Check feeds against the graph's inputs; fill optional ones; return arrays of the graph's dtypes."""
+    known = {s.name: s for s in specs}
+    unknown = sorted(set(feeds) - set(known))
+    if unknown:
+        raise InputError(f"unknown input(s) {', '.join(unknown)}; this artifact takes {', '.join(known)}")
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in feeds.items():
+        spec = known[name]
+        arr = np.asarray(value)
+        want = _KINDS[spec.dtype]
+        if arr.dtype.kind != want and not (want == "i" and arr.dtype.kind == "u"):
+            raise InputError(
+                f"input {name} has dtype {arr.dtype}, expected {spec.dtype}; convert it with .astype(np.{spec.dtype})"
+            )
+        if arr.ndim != len(spec.shape):
+            raise InputError(
+                f"input {name} has rank {arr.ndim} (shape {arr.shape}), expected rank {len(spec.shape)} "
+                f"({', '.join(map(str, spec.shape))}); add or remove the batch axis"
+            )
+        arrays[name] = arr.astype(spec.dtype, copy=False)
+    missing = [s.name for s in specs if s.name not in arrays and not s.optional]
+    if missing:
+        raise InputError(f"missing input(s) {', '.join(missing)}; this artifact takes {', '.join(known)}")
+    axes = _bind_axes(specs, arrays, max_sequence_length)
+    for spec in specs:
+        if spec.name not in arrays:
+            shape = tuple(axes[d] if isinstance(d, str) else d for d in spec.shape)
+            fill = np.ones if spec.default == "ones" else np.zeros
+            arrays[spec.name] = fill(shape, dtype=spec.dtype)
+    return arrays
+
+
+def _bind_axes(specs: list[TensorSpec], arrays: dict[str, np.ndarray], max_len: int) -> dict[str, int]:
+    axes: dict[str, tuple[int, str]] = {}
+    for spec in specs:
+        arr = arrays.get(spec.name)
+        if arr is None:
+            continue
+        for i, (dim, size) in enumerate(zip(spec.shape, arr.shape)):
+            if isinstance(dim, int):
+                if size != dim:
+                    raise InputError(f"input {spec.name} has size {size} on axis {i}, expected {dim}")
+                continue
+            if size < 1:
+                raise InputError(f"input {spec.name} has an empty {dim} axis (shape {arr.shape}); give at least one element")
+            if dim in axes and axes[dim][0] != size:
+                other = axes[dim][1]
+                raise InputError(
+                    f"input {spec.name} has {dim} size {size} but {other} has {axes[dim][0]}; "
+                    f"all inputs must agree on the {dim} axis"
+                )
+            axes.setdefault(dim, (size, spec.name))
+    seq = axes.get("sequence")
+    if seq is not None and seq[0] > max_len:
+        raise InputError(
+            f"input {seq[1]} has sequence length {seq[0]}, longer than the model's maximum {max_len}; "
+            f"truncate the input to {max_len} tokens"
+        )
+    return {k: v[0] for k, v in axes.items()}

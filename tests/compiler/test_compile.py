@@ -1,0 +1,125 @@
+"""End-to-end: every supported family compiles, verifies, and the artifact matches eager PyTorch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kiln.runtimes as kr
+from conftest import FAMILY_HEADS, fast_options, make_model
+from kiln.compiler import compile
+from kiln.compiler.load import checkpoint_sha256
+from kiln.runtimes.artifact import sha256_file
+
+KINDS = {"bert": "encoder", "roberta": "encoder", "distilbert": "encoder"}
+TASKS = {"base": "feature-extraction", "sequence-classification": "sequence-classification",
+         "token-classification": "token-classification", "causal-lm": "causal-lm"}
+
+
+def eager_outputs(family: str, head: str, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Independent reference: the HF model called directly, not through kiln's wrapper."""
+    model = make_model(family, head)
+    kwargs = {}
+    if KINDS.get(family) is None:  # decoders: positions from the mask, as HF generate does
+        kwargs["position_ids"] = torch.from_numpy((np.cumsum(mask, -1) - 1).clip(min=0))
+    with torch.inference_mode():
+        out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **kwargs)
+    return (out.last_hidden_state if head == "base" else out.logits).numpy()
+
+
+@pytest.mark.parametrize("family,head", FAMILY_HEADS)
+def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, family, head):
+    out = artifacts[family]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["schema_version"] == 1
+    assert manifest["model"]["kind"] == KINDS.get(family, "decoder")
+    assert manifest["model"]["task"] == TASKS[head]
+    assert manifest["model"]["source"]["sha256"] == checkpoint_sha256(checkpoints[family])
+    assert manifest["passes"] == [] and manifest["precision"] == "fp32"
+    assert manifest["verification"]["status"] == "passed"
+    assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["tool_versions"])
+    for rel, digest in manifest["files"].items():
+        assert sha256_file(out / rel) == digest
+    assert {"model.onnx", "report.json", "tokenizer.json"} <= set(manifest["files"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"]
+    sources = {c["source"] for c in report["cases"]}
+    assert sources == {"text", "random"}
+    assert any(c["shape"][0] > 1 for c in report["cases"] if c["source"] == "random")
+    assert max(c["shape"][1] for c in report["cases"]) == 64  # the longest supported length
+    assert report["latency"]["eager_ms"] > 0 and report["latency"]["artifact_ms"] > 0
+    if head != "base":
+        assert "logits" in report["summary"]
+    if head == "causal-lm":
+        assert report["summary"]["logits"]["top1_agreement"] == 1.0
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 128, size=(2, 11), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0 if KINDS.get(family) is None else 1  # left padding for decoders
+    if KINDS.get(family):
+        mask[1, 7:] = 0
+    with kr.load(out, threads=2) as model:
+        got = model.run({"input_ids": ids, "attention_mask": mask})
+    name = "last_hidden_state" if head == "base" else "logits"
+    ref = eager_outputs(family, head, ids, mask)
+    keep = mask.astype(bool) if ref.ndim == 3 else slice(None)
+    np.testing.assert_allclose(got[name][keep], ref[keep], atol=1e-4 * max(1.0, np.abs(ref).max()))
+
+
+def test_labels_in_manifest(artifacts):
+    manifest = json.loads((artifacts["roberta"] / "manifest.json").read_text())
+    assert manifest["model"]["labels"] == {"0": "neg", "1": "neutral", "2": "pos"}
+    assert manifest["outputs"] == [{"name": "logits", "dtype": "float32", "shape": ["batch", 3]}]
+
+
+def test_sentence_transformers_directory_adds_pooled_embedding(sentence_checkpoint, tmp_path):
+    out = compile(sentence_checkpoint, tmp_path / "st", fast_options())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["pooling"] == {"mode": "mean", "normalize": True}
+    assert [o["name"] for o in manifest["outputs"]] == ["last_hidden_state", "sentence_embedding"]
+    with kr.load(out) as model:
+        feeds = model.encode(["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog, twice."])
+        got = model.run(feeds)
+    hidden, mask = got["last_hidden_state"], feeds["attention_mask"][..., None]
+    mean = (hidden * mask).sum(1) / mask.sum(1)
+    expected = mean / np.linalg.norm(mean, axis=1, keepdims=True)
+    np.testing.assert_allclose(got["sentence_embedding"], expected, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got["sentence_embedding"], axis=1), 1.0, atol=1e-5)
+
+
+def test_task_override_gives_hidden_states(checkpoints, tmp_path):
+    out = compile(checkpoints["llama"], tmp_path / "base", fast_options(task="feature-extraction"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["task"] == "feature-extraction"
+    assert manifest["outputs"][0]["name"] == "last_hidden_state"
+
+
+def test_no_verify_is_recorded(checkpoints, tmp_path):
+    out = compile(checkpoints["bert"], tmp_path / "nv", fast_options(verify=False))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verification"] == {"status": "skipped"}
+    assert manifest["options"]["verify"] is False
+    assert not (out / "report.json").exists()
+
+
+def test_large_graph_keeps_weights_as_external_data(checkpoints, tmp_path):
+    out = compile(checkpoints["gpt2"], tmp_path / "ext", fast_options(external_data_threshold=0))
+    manifest = json.loads((out / "manifest.json").read_text())
+    data = [f for f in manifest["files"] if f.startswith("model.onnx") and f != "model.onnx"]
+    assert data, manifest["files"]
+    assert (out / "model.onnx.data").stat().st_size > 100_000  # the weights live beside the graph
+    assert manifest["verification"]["status"] == "passed"
+
+
+def test_force_replaces_existing_artifact(checkpoints, tmp_path):
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    compile(checkpoints["bert"], out, fast_options(force=True, verify=False))
+    assert not (out / "stale.txt").exists()
+    assert (out / "manifest.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging leftovers

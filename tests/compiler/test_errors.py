@@ -1,0 +1,147 @@
+"""Every user-facing failure: one clear line naming the input and the fix, a non-zero exit, no output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import save_checkpoint
+from kiln.compiler.cli import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def assert_fails(capsys, tmp_path, args: list[str], code: int, *phrases: str) -> str:
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "compile", *args, "-o", str(out), "-q", "--threads", "2")
+    assert rc == code, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("kiln compile: error:")]
+    assert len(lines) == 1, err
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".kiln-tmp-" in p.name]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("good") / "bert", "bert", "base")
+
+
+def copy_ckpt(good_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(good_ckpt, dst)
+    return dst
+
+
+def test_missing_path(capsys, tmp_path):
+    assert_fails(capsys, tmp_path, [str(tmp_path / "nope")], 1, "does not exist", "checkpoint directory")
+
+
+def test_directory_without_config(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_fails(capsys, tmp_path, [str(tmp_path / "empty")], 1, "has no config.json")
+
+
+def test_config_not_json(capsys, tmp_path, good_ckpt):
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    (ckpt / "config.json").write_text("{not json")
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "config.json is not valid JSON")
+
+
+def test_corrupt_safetensors(capsys, tmp_path, good_ckpt):
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated download
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "model.safetensors is corrupt", "truncated")
+
+
+def test_garbage_safetensors(capsys, tmp_path, good_ckpt):
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "is corrupt")
+
+
+def test_missing_weights(capsys, tmp_path, good_ckpt):
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    (ckpt / "model.safetensors").unlink()
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "has no weights")
+
+
+def test_unsupported_model_type(capsys, tmp_path, good_ckpt):
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    line = assert_fails(capsys, tmp_path, [str(ckpt)], 1, "'mamba'", "supported:")
+    for family in ("bert", "roberta", "distilbert", "gpt2", "llama", "qwen2", "mistral"):
+        assert family in line
+
+
+def test_unsupported_head_suggests_task(capsys, tmp_path, good_ckpt):
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["architectures"] = ["BertForMaskedLM"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "BertForMaskedLM", "--task", "feature-extraction")
+
+
+def test_task_not_for_kind(capsys, tmp_path, good_ckpt):
+    assert_fails(capsys, tmp_path, [str(good_ckpt), "--task", "causal-lm"], 1, "causal-lm", "not supported for encoder")
+
+
+def test_head_weights_missing_is_not_random_init(capsys, tmp_path, good_ckpt):
+    assert_fails(capsys, tmp_path, [str(good_ckpt), "--task", "sequence-classification"], 1, "random weights", "--task")
+
+
+def test_existing_output_needs_force(capsys, tmp_path, good_ckpt):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, _, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "-q")
+    assert rc == 2
+    assert "already exists" in err and "--force" in err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_unknown_disabled_pass(capsys, tmp_path, good_ckpt):
+    assert_fails(capsys, tmp_path, [str(good_ckpt), "--disable-pass", "fuse-everything"], 1, "fuse-everything", "no such pass")
+
+
+def test_bad_usage_exits_2(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "compile", str(tmp_path))
+    assert rc == 2 and "-o" in err
+    rc, _, err = run_cli(capsys, "compile", str(tmp_path), "-o", str(tmp_path / "x"), "--precision", "fp8")
+    assert rc == 2
+
+
+def test_parity_failure_fails_compile_without_artifact(capsys, tmp_path, good_ckpt, monkeypatch):
+    from kiln.compiler import trace
+
+    real_run = trace.EagerRunner.run
+
+    def drifted(self, feeds):  # plant a mismatch between eager and artifact
+        out = real_run(self, feeds)
+        return {k: v + 1e-2 for k, v in out.items()}
+
+    monkeypatch.setattr(trace.EagerRunner, "run", drifted)
+    line = assert_fails(capsys, tmp_path, [str(good_ckpt)], 1, "parity check failed", "max abs error", "report in")
+    report = line.rsplit("report in ", 1)[1].strip()
+    assert json.loads(open(report).read())["passed"] is False
+
+
+def test_success_prints_parity_table(capsys, tmp_path, good_ckpt):
+    out = tmp_path / "out"
+    rc, stdout, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "--threads", "2")
+    assert rc == 0, err
+    assert "verification passed" in stdout and "last_hidden_state" in stdout and "latency" in stdout
+    assert "export" in err  # progress lines
+    rc, stdout, _ = run_cli(capsys, "compile", str(good_ckpt), "-o", str(tmp_path / "j"), "--json", "--no-verify")
+    assert rc == 0 and json.loads(stdout)["verification"]["status"] == "skipped"

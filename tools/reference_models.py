@@ -1,0 +1,239 @@
+"""Train small reference decoders on the CPython standard library source, deterministically, and cache them.
+
+    python tools/reference_models.py llama        # prints the checkpoint directory (trains on first use)
+    python tools/reference_models.py gpt2 llama-tiny
+
+Each model is a normal Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer
+files) plus ``heldout.txt`` (stdlib files never trained on) and ``train_info.json`` (steps, time,
+held-out perplexity). The cache key covers the recipe and the corpus, so a changed recipe or Python
+version retrains. Cache root: $KILN_CACHE or ~/.cache/kiln.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RECIPE_VERSION = 2
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    arch: str  # llama | gpt2
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    max_len: int
+    steps: int
+    batch: int
+    seq: int
+    lr: float
+    corpus_bytes: int
+    seed: int = 0
+
+
+RECIPES = {
+    # about 5M parameters: RoPE, GQA (8 heads / 4 KV heads), RMSNorm, SwiGLU
+    "llama": Recipe("llama", vocab=4096, hidden=256, layers=4, heads=8, kv_heads=4, ffn=688, max_len=512,
+                    steps=500, batch=16, seq=128, lr=2e-3, corpus_bytes=6_000_000),
+    "gpt2": Recipe("gpt2", vocab=4096, hidden=256, layers=4, heads=8, kv_heads=8, ffn=1024, max_len=512,
+                   steps=500, batch=16, seq=128, lr=2e-3, corpus_bytes=6_000_000),
+    # for tests: trains in well under a minute on 2 cores
+    "llama-tiny": Recipe("llama", vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, ffn=172, max_len=256,
+                         steps=300, batch=16, seq=64, lr=5e-3, corpus_bytes=1_500_000),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[reference] {msg}", file=sys.stderr, flush=True)
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = [p for p in sorted(root.rglob("*.py")) if not skip & set(p.relative_to(root).parts)]
+    return [p for p in files if p.is_file()]
+
+
+def split_corpus(limit: int) -> tuple[list[str], list[str], str]:
+    """Train/held-out texts, drawn from across the whole stdlib in a fixed pseudo-random order.
+
+    A file is held out when a hash of its path says so (about 1 in 20); files over 200 kB are
+    mostly data tables and are skipped.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    def key(p: Path) -> str:
+        return hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest()
+
+    train, heldout, size, held_size = [], [], 0, 0
+    fingerprint = hashlib.sha256()
+    for p in sorted(stdlib_files(), key=key):
+        if p.stat().st_size > 200_000:
+            continue
+        is_heldout = int(key(p), 16) % 20 == 0
+        if (is_heldout and held_size >= 300_000) or (not is_heldout and size >= limit):
+            continue
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if is_heldout:
+            heldout.append(text)
+            held_size += len(text)
+        else:
+            train.append(text)
+            size += len(text)
+        fingerprint.update(key(p).encode() + hashlib.sha1(text.encode()).digest())
+    return train, heldout, fingerprint.hexdigest()
+
+
+def train_tokenizer(texts: list[str], vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def make_model(r: Recipe, eos_id: int):
+    import transformers
+
+    if r.arch == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=r.vocab, hidden_size=r.hidden, num_hidden_layers=r.layers, num_attention_heads=r.heads,
+            num_key_value_heads=r.kv_heads, intermediate_size=r.ffn, max_position_embeddings=r.max_len,
+            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
+        )
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.GPT2Config(
+        vocab_size=r.vocab, n_embd=r.hidden, n_layer=r.layers, n_head=r.heads, n_inner=r.ffn, n_positions=r.max_len,
+        bos_token_id=eos_id, eos_token_id=eos_id,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def token_stream(tok, texts: list[str], eos_id: int):
+    import numpy as np
+
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def perplexity(model, stream, seq: int, max_windows: int = 64) -> float:
+    import torch
+
+    n = min(max_windows, (len(stream) - 1) // seq)
+    x = torch.from_numpy(stream[: n * seq + 1].copy())
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, n, 8):
+            rows = torch.stack([x[j * seq:(j + 1) * seq + 1] for j in range(i, min(n, i + 8))])
+            logits = model(input_ids=rows[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1), reduction="sum")
+            total += float(loss)
+            count += rows[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def train(name: str, r: Recipe, out: Path) -> None:
+    import numpy as np
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(r.seed)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    train_texts, heldout_texts, _ = split_corpus(r.corpus_bytes)
+    log(f"{name}: {len(train_texts)} stdlib files ({sum(map(len, train_texts)) / 1e6:.1f} MB) for training")
+    tok = train_tokenizer(train_texts, r.vocab)
+    eos_id = tok.token_to_id(EOS)
+    stream = token_stream(tok, train_texts, eos_id)
+    held = token_stream(tok, heldout_texts, eos_id)
+    model = make_model(r, eos_id)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"{name}: {params / 1e6:.2f}M parameters, {len(stream) / 1e6:.2f}M training tokens, {r.steps} steps")
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(r.seed)
+    warmup = max(1, r.steps // 20)
+    model.train()
+    for step in range(r.steps):
+        lr = r.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / r.steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = rng.integers(0, len(stream) - r.seq, size=r.batch)
+        batch = torch.from_numpy(np.stack([stream[s:s + r.seq] for s in starts]))
+        loss = model(input_ids=batch, labels=batch).loss  # the model shifts labels itself
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == r.steps - 1:
+            log(f"{name}: step {step + 1}/{r.steps} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval()
+    ppl = perplexity(model, held, r.seq)
+    model.save_pretrained(out, safe_serialization=True)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None,
+                                     model_max_length=r.max_len)
+    hf_tok.save_pretrained(out)
+    (out / "heldout.txt").write_text("\n".join(heldout_texts))
+    info = {"name": name, "recipe": asdict(r), "parameters": params, "train_tokens": int(len(stream)),
+            "heldout_tokens": int(len(held)), "final_loss": float(loss.item()), "heldout_perplexity": ppl,
+            "seconds": time.perf_counter() - t0, "python": sys.version.split()[0], "torch": torch.__version__}
+    (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"{name}: held-out perplexity {ppl:.2f}, {info['seconds']:.0f}s")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln")
+
+
+def checkpoint(name: str) -> Path:
+    """Directory of the trained reference model ``name``, training it first if it is not cached."""
+    r = RECIPES[name]
+    _, _, fingerprint = split_corpus(r.corpus_bytes)
+    key = hashlib.sha256(json.dumps([RECIPE_VERSION, asdict(r), fingerprint]).encode()).hexdigest()[:16]
+    out = cache_root() / "reference" / f"{name}-{key}"
+    if (out / "train_info.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    try:
+        train(name, r, tmp)
+        tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="+", choices=sorted(RECIPES))
+    args = p.parse_args()
+    for name in args.names:
+        print(checkpoint(name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
