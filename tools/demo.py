@@ -38,7 +38,7 @@ def main() -> int:
     kiln("compile", str(minilm), "-o", str(out / "minilm"), "--force", "--threads", "2")
     kiln("run", str(out / "minilm"), "--text", "kiln turns a trained Transformer into a verified artifact.")
     kiln("compile", str(llama), "-o", str(out / "llama"), "--force", "--threads", "2")
-    kiln("run", str(out / "llama"), "--text", "def fibonacci(n):\n    ")
+    kiln("run", str(out / "llama"), "--text", "import os\nimport")
     print(f"\ndemo finished in {time.perf_counter() - start:.0f}s; artifacts in {out}")
     return 0
 

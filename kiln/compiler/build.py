@@ -140,6 +140,7 @@ def manifest_data(ckpt: Checkpoint, options: CompileOptions, record: list[dict[s
         },
         "inputs": [s.to_json() for s in inputs],
         "outputs": [s.to_json() for s in outputs],
+        "dynamic_axes": {"batch": {"min": 1}, "sequence": {"min": 1, "max": ckpt.max_length}},
         "graphs": {"model": GRAPH},
         "opset": options.opset,
         "precision": options.precision,

@@ -174,7 +174,7 @@ def _top(logits: np.ndarray, k: int, model: Any, labels: dict[str, str] | None =
         if labels is not None:
             name = labels.get(str(int(i)), str(int(i)))
         elif model.manifest.tokenizer:
-            name = model.text_encoder.id_to_token(int(i))
+            name = model.text_encoder.decode([int(i)], skip_special_tokens=False)
         else:
             name = str(int(i))
         rows.append({"id": int(i), "token": name, "p": float(p[i])})

@@ -147,7 +147,23 @@ def check_weights(path: Path) -> list[Path]:
     for f in files:
         if f.suffix == ".safetensors":
             check_safetensors(f)
+        elif f.suffix == ".bin":
+            check_pickle(f)
     return files
+
+
+def check_pickle(path: Path) -> None:
+    """``.bin`` weights are pickles: load them only as plain tensors, never arbitrary objects."""
+    import torch
+
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # UnpicklingError, RuntimeError (zip), EOFError...
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise CheckpointError(
+            f"weights file {path} cannot be loaded as plain tensors (weights_only) ({detail}); "
+            "convert the checkpoint to safetensors from a trusted copy"
+        ) from e
 
 
 def check_safetensors(path: Path) -> None:
@@ -220,9 +236,7 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
     path = Path(path)
     raw = read_config(path)
     family, task, arch = resolve(path, raw, task)
-    weights = check_weights(path)
-    if any(f.suffix == ".bin" for f in weights):
-        log.info("loading .bin weights with torch.load(weights_only=True)")
+    check_weights(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -240,7 +254,7 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
             str(path), local_files_only=True, trust_remote_code=False, dtype=torch.float32,
             attn_implementation="sdpa", output_loading_info=True,
         )
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+    except Exception as e:  # transformers raises many types for one bad checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from e
     missing = [k for k in info.get("missing_keys", []) if k]

@@ -39,6 +39,8 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
     assert manifest["model"]["task"] == TASKS[head]
     assert manifest["model"]["source"]["sha256"] == checkpoint_sha256(checkpoints[family])
     assert manifest["passes"] == [] and manifest["precision"] == "fp32"
+    assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64}
+    assert manifest["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
     assert manifest["verification"]["status"] == "passed"
     assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["tool_versions"])
     for rel, digest in manifest["files"].items():

@@ -145,3 +145,28 @@ def test_success_prints_parity_table(capsys, tmp_path, good_ckpt):
     assert "export" in err  # progress lines
     rc, stdout, _ = run_cli(capsys, "compile", str(good_ckpt), "-o", str(tmp_path / "j"), "--json", "--no-verify")
     assert rc == 0 and json.loads(stdout)["verification"]["status"] == "skipped"
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/kiln-pwned",))
+
+
+def test_bin_weights_load_as_plain_tensors_only(capsys, tmp_path, good_ckpt):
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    ckpt = copy_ckpt(good_ckpt, tmp_path)
+    state = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    torch.save(state, ckpt / "pytorch_model.bin")
+    rc, _, err = run_cli(capsys, "compile", str(ckpt), "-o", str(tmp_path / "ok"), "-q", "--threads", "2")
+    assert rc == 0, err
+
+    torch.save({"weights": state, "evil": _Payload()}, ckpt / "pytorch_model.bin")
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "pytorch_model.bin cannot be loaded as plain tensors", "safetensors")
+    assert not os.path.exists("/tmp/kiln-pwned")
