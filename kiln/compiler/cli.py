@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check (recorded)")
     c.add_argument("--force", action="store_true", help="replace an existing output directory")
     c.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
+    c.add_argument("--allow-partial-fusion", action="store_true",
+                   help="ship a graph with fewer fusions than layers instead of failing")
     c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
                    help="longest random sequence in the parity check")
     c.add_argument("--seed", type=int, default=d.seed)
@@ -91,7 +93,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     opts = CompileOptions(
         task=args.task, precision=args.precision, opset=args.opset, verify=args.verify, force=args.force,
         threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed,
-        disabled_passes=tuple(args.disable_pass),
+        disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
     manifest = json.loads((out / "manifest.json").read_text())

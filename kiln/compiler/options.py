@@ -29,6 +29,8 @@ class CompileOptions:
     """Seconds spent timing eager and artifact together (alternating rounds)."""
     seed: int = 0
     disabled_passes: tuple[str, ...] = ()
+    allow_partial_fusion: bool = False
+    """Ship a graph with fewer attention fusions than layers (recorded) instead of failing."""
     external_data_threshold: int = 1 << 30
     """Graphs whose weights exceed this many bytes keep them in ``model.onnx.data``."""
 

@@ -1,18 +1,77 @@
-"""The pass pipeline as data: which passes run for a model kind and precision, in order.
-
-The foundation exports an already-folded graph (the exporter's own optimizer runs) and selects
-no further passes yet; fusion, KV-cache and quantization passes are added to these lists.
-"""
+"""The pass pipeline as data: which passes run for a target, model kind and precision, in order,
+and the fusion coverage check that refuses to pass a half-fused graph off as optimised."""
 
 from __future__ import annotations
 
-from kiln.passes import Pass
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-PIPELINES: dict[tuple[str, str], list[type[Pass]]] = {
-    ("encoder", "fp32"): [],
-    ("decoder", "fp32"): [],
+from kiln.errors import KilnError
+from kiln.passes import Pass
+from kiln.passes.decompose_norm import DecomposeNorm
+from kiln.passes.fuse_attention import FuseAttention
+from kiln.passes.fuse_norm_gelu import FuseBiasGelu
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What passes may know about the model, handed to them (passes never read checkpoints)."""
+
+    kind: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+
+
+class FusionCoverageError(KilnError):
+    """Fewer fusions than the model has layers: the graph would ship half-optimised."""
+
+
+PassFactory = Callable[[ModelFacts], Pass]
+
+# ONNX Runtime CPU. Norms are decomposed rather than fused into SkipLayerNormalization: ORT's CPU
+# norm kernels are 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py);
+# FuseSkipLayerNorm stays available for targets whose kernel is fast.
+PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
+    ("encoder", "fp32"): [
+        lambda f: FuseAttention(num_heads=f.num_heads),
+        lambda f: FuseBiasGelu(),
+        lambda f: DecomposeNorm(),
+    ],
+    ("decoder", "fp32"): [
+        lambda f: FuseBiasGelu(),
+        lambda f: DecomposeNorm(),
+    ],
+}
+
+# pass name -> (stat that counts fusions, expected count per layer); checked after the pipeline
+COVERAGE: dict[str, tuple[str, int]] = {
+    "fuse-attention": ("fused", 1),
 }
 
 
-def select_passes(kind: str, precision: str) -> list[Pass]:
-    return [cls() for cls in PIPELINES[(kind, precision)]]
+def select_passes(facts: ModelFacts, precision: str) -> list[Pass]:
+    return [make(facts) for make in PIPELINES[(facts.kind, precision)]]
+
+
+def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool) -> list[str]:
+    """Compare fusion counts with what the config implies; raise (or, if allowed, return) shortfalls."""
+    problems = []
+    for entry in record:
+        rule = COVERAGE.get(entry["name"])
+        if rule is None or entry.get("disabled"):
+            continue
+        stat, per_layer = rule
+        expected = facts.num_layers * per_layer
+        got = entry["stats"].get(stat, 0)
+        entry["coverage"] = {"expected": expected, "fused": got}
+        if got < expected:
+            reasons = "; ".join(f"{r['where']}: {r['why']}" for r in entry.get("skipped", [])[:3]) or "no candidates found"
+            problems.append(f"{entry['name']} fused {got} of {expected} expected ({reasons})")
+    if problems and not allow_partial:
+        raise FusionCoverageError(
+            f"incomplete fusion: {' | '.join(problems)}; pass --allow-partial-fusion to ship it anyway, "
+            "or --disable-pass the rule"
+        )
+    return problems

@@ -170,3 +170,34 @@ def test_bin_weights_load_as_plain_tensors_only(capsys, tmp_path, good_ckpt):
     torch.save({"weights": state, "evil": _Payload()}, ckpt / "pytorch_model.bin")
     assert_fails(capsys, tmp_path, [str(ckpt)], 1, "pytorch_model.bin cannot be loaded as plain tensors", "safetensors")
     assert not os.path.exists("/tmp/kiln-pwned")
+
+
+def test_partial_fusion_fails_unless_allowed(capsys, tmp_path, good_ckpt, monkeypatch):
+    from kiln.passes import fuse_attention
+
+    real = fuse_attention.FuseAttention.rewrite
+    calls = {"n": 0}
+
+    def every_other(self, g, core, mask_index):  # plant a layer the matcher cannot take
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            raise fuse_attention.NoMatch("planted: layer shape not supported")
+        return real(self, g, core, mask_index)
+
+    monkeypatch.setattr(fuse_attention.FuseAttention, "rewrite", every_other)
+    assert_fails(capsys, tmp_path, [str(good_ckpt)], 1, "incomplete fusion", "fused 1 of 2", "planted", "--allow-partial-fusion")
+    out = tmp_path / "partial"
+    rc, _, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "-q", "--allow-partial-fusion")
+    assert rc == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = next(p for p in manifest["passes"] if p["name"] == "fuse-attention")
+    assert entry["coverage"] == {"expected": 2, "fused": 1}
+    assert entry["skipped"][0]["why"] == "planted: layer shape not supported"
+
+
+def test_disabled_pass_is_recorded(capsys, tmp_path, good_ckpt):
+    out = tmp_path / "nofuse"
+    rc, _, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "-q", "--disable-pass", "fuse-attention")
+    assert rc == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {"name": "fuse-attention", "disabled": True, "stats": {}} in manifest["passes"]

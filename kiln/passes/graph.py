@@ -1,0 +1,160 @@
+"""A small mutable view over an ONNX graph: who produces and consumes each value, and the
+constants behind initializers. Passes match patterns through it and then rewrite the proto."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+MS_DOMAIN = "com.microsoft"
+
+
+class Graph:
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.g = model.graph
+        self._ids = itertools.count()
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in self.g.node:
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+            for inp in node.input:
+                if inp:
+                    self.consumers[inp].append(node)
+        self.initializers = {t.name: t for t in self.g.initializer}
+        self.graph_inputs = {i.name for i in self.g.input}
+        self.graph_outputs = {o.name for o in self.g.output}
+
+    # --- lookups -------------------------------------------------------------------------
+    def nodes_of(self, op_type: str, domain: str = "") -> list[str]:
+        """First-output names of the nodes of one type: stable handles across edits."""
+        return [n.output[0] for n in self.g.node if n.op_type == op_type and n.domain in (domain, "ai.onnx" if not domain else domain)]
+
+    def node(self, output: str) -> onnx.NodeProto | None:
+        return self.producer.get(output)
+
+    def parent(self, node: onnx.NodeProto, index: int, op_type: str | None = None) -> onnx.NodeProto | None:
+        if index >= len(node.input) or not node.input[index]:
+            return None
+        p = self.producer.get(node.input[index])
+        if p is None or (op_type is not None and p.op_type != op_type):
+            return None
+        return p
+
+    def only_consumer(self, value: str, op_type: str | None = None) -> onnx.NodeProto | None:
+        users = self.consumers.get(value, [])
+        if len(users) != 1 or value in self.graph_outputs:
+            return None
+        if op_type is not None and users[0].op_type != op_type:
+            return None
+        return users[0]
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of an initializer or Constant node output, else None."""
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        p = self.producer.get(name)
+        if p is not None and p.op_type == "Constant" and p.attribute and p.attribute[0].name == "value":
+            return numpy_helper.to_array(p.attribute[0].t)
+        return None
+
+    def ancestors_inputs(self, value: str) -> set[str]:
+        """Graph inputs that ``value`` depends on."""
+        seen, stack, found = set(), [value], set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in self.graph_inputs:
+                found.add(v)
+            p = self.producer.get(v)
+            if p is not None:
+                stack.extend(i for i in p.input if i)
+        return found
+
+    # --- edits ---------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        names = set(self.producer) | set(self.initializers) | self.graph_inputs
+        while True:
+            name = f"{base}_kiln{next(self._ids)}"
+            if name not in names:
+                return name
+
+    def add_initializer(self, base: str, array: np.ndarray) -> str:
+        name = self.fresh(base)
+        self.g.initializer.append(numpy_helper.from_array(array, name))
+        self.initializers[name] = self.g.initializer[-1]
+        return name
+
+    def ensure_opset(self, domain: str, version: int) -> None:
+        if not any(o.domain == domain for o in self.model.opset_import):
+            self.model.opset_import.append(onnx.helper.make_opsetid(domain, version))
+
+    def replace_nodes(self, remove: list[onnx.NodeProto], add: list[onnx.NodeProto]) -> None:
+        """Remove ``remove`` and append ``add``, then re-sort and re-index.
+
+        Nodes are matched by their outputs: protobuf copies messages on insertion, so object
+        identity does not survive an edit. Callers re-fetch nodes (``nodes_of``) after each edit.
+        """
+        keys = {tuple(n.output) for n in remove}
+        kept = [n for n in self.g.node if tuple(n.output) not in keys]
+        del self.g.node[:]
+        self.g.node.extend(kept + add)
+        self.toposort()
+        self.reindex()
+
+    def toposort(self) -> None:
+        nodes = list(self.g.node)
+        available = set(self.graph_inputs) | {t.name for t in self.g.initializer} | {""}
+        order, pending = [], nodes
+        while pending:
+            progressed, rest = False, []
+            for n in pending:
+                if all(i in available for i in n.input):
+                    order.append(n)
+                    available.update(n.output)
+                    progressed = True
+                else:
+                    rest.append(n)
+            if not progressed:
+                order.extend(rest)  # a cycle or dangling input: leave it for the checker to report
+                break
+            pending = rest
+        del self.g.node[:]
+        self.g.node.extend(order)
+
+    def prune(self) -> int:
+        """Drop nodes whose outputs nobody uses, and initializers nobody reads; returns nodes removed."""
+        removed = 0
+        while True:
+            live = [n for n in self.g.node if any(o in self.graph_outputs or self.consumers.get(o) for o in n.output if o)]
+            if len(live) == len(self.g.node):
+                break
+            removed += len(self.g.node) - len(live)
+            del self.g.node[:]
+            self.g.node.extend(live)
+            self.reindex()
+        used = {i for n in self.g.node for i in n.input} | self.graph_outputs
+        dead = [t for t in self.g.initializer if t.name not in used]
+        for t in dead:
+            self.g.initializer.remove(t)
+        if dead:
+            self.reindex()
+        return removed
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
