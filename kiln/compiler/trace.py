@@ -129,8 +129,9 @@ class EagerRunner:
 
     def __init__(self, ckpt: Checkpoint, threads: int | None = None) -> None:
         self.module = graph_module(ckpt)
-        self.output_names = [s.name for s in io_specs(ckpt)[1]]
-        self.input_names = [s.name for s in io_specs(ckpt)[0]]
+        inputs, outputs = io_specs(ckpt)
+        self.input_names = [s.name for s in inputs]
+        self.output_names = [s.name for s in outputs]
         if threads:
             torch.set_num_threads(threads)
 
