@@ -9,6 +9,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.passes import Pass
+from kiln.passes.cleanup import DeduplicateInitializers, EliminateDeadNodes, EliminateIdentity
 from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu
@@ -33,15 +34,20 @@ PassFactory = Callable[[ModelFacts], Pass]
 # ONNX Runtime CPU. Norms are decomposed rather than fused into SkipLayerNormalization: ORT's CPU
 # norm kernels are 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py);
 # FuseSkipLayerNorm stays available for targets whose kernel is fast.
+CLEANUP: list[PassFactory] = [lambda f: EliminateIdentity(), lambda f: DeduplicateInitializers()]
 PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
     ("encoder", "fp32"): [
+        *CLEANUP,
         lambda f: FuseAttention(num_heads=f.num_heads),
         lambda f: FuseBiasGelu(),
         lambda f: DecomposeNorm(),
+        lambda f: EliminateDeadNodes(),
     ],
     ("decoder", "fp32"): [
+        *CLEANUP,
         lambda f: FuseBiasGelu(),
         lambda f: DecomposeNorm(),
+        lambda f: EliminateDeadNodes(),
     ],
 }
 

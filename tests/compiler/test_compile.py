@@ -45,7 +45,8 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
         assert passes["decompose-norm"]["stats"]["layernorm"] >= 5  # embeddings + 2 per layer
         assert passes["fuse-bias-gelu"]["stats"]["bias_gelu"] + passes["fuse-bias-gelu"]["stats"]["fast_gelu"] == 2
     else:  # decoders: no attention fusion yet (GroupQueryAttention rules are open work)
-        assert set(passes) == {"fuse-bias-gelu", "decompose-norm"}
+        assert set(passes) == {"eliminate-identity", "dedup-initializers", "fuse-bias-gelu", "decompose-norm",
+                               "eliminate-dead-nodes"}
         norms = passes["decompose-norm"]["stats"]
         assert norms["layernorm" if family == "gpt2" else "rmsnorm"] == 5  # 2 per layer + final
     assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64}
