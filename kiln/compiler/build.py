@@ -73,7 +73,7 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
 
     tok = case_lib.load_hf_tokenizer(ckpt.path)
     tokenizer_spec = copy_tokenizer(ckpt, tok, root)
-    manifest = manifest_data(ckpt, options, record, tokenizer_spec)
+    manifest = manifest_data(ckpt, facts, options, record, tokenizer_spec)
     write_manifest(root, manifest)
     if not options.verify:
         say("verification skipped (--no-verify)")
@@ -131,7 +131,7 @@ def copy_tokenizer(ckpt: Checkpoint, tok: Any | None, root: Path) -> dict[str, A
     }
 
 
-def manifest_data(ckpt: Checkpoint, options: CompileOptions, record: list[dict[str, Any]],
+def manifest_data(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: list[dict[str, Any]],
                   tokenizer: dict[str, Any] | None) -> dict[str, Any]:
     inputs, outputs = io_specs(ckpt)
     return {
@@ -144,7 +144,7 @@ def manifest_data(ckpt: Checkpoint, options: CompileOptions, record: list[dict[s
             "task": ckpt.task,
             "max_sequence_length": ckpt.max_length,
             "vocab_size": int(ckpt.config.vocab_size),
-            "num_layers": model_facts(ckpt).num_layers,
+            "num_layers": facts.num_layers,
             "labels": ckpt.labels,
             "pooling": ckpt.pooling,
             "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256},

@@ -26,8 +26,8 @@ class DecomposeNorm(Pass):
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
-        axes_input = _opset(model) >= 18
-        axes = g.add_initializer("norm_axes", np.array([-1], dtype=np.int64)) if axes_input else None
+        self._axes_input = _opset(model) >= 18
+        self._consts: dict[tuple[str, float], str] = {}  # one initializer per distinct constant
         stats = {"layernorm": 0, "rmsnorm": 0}
         skipped = []
         for op in ("LayerNormalization", "RMSNormalization"):
@@ -43,18 +43,22 @@ class DecomposeNorm(Pass):
                 if attr(node, "stash_type", 1) != 1:
                     skipped.append(Reason(where, "stash_type is not FP32"))
                     continue
-                new = self._expand(g, node, axes, op == "RMSNormalization")
+                new = self._expand(g, node, op == "RMSNormalization")
                 g.replace_nodes([node], new)
                 stats["rmsnorm" if op == "RMSNormalization" else "layernorm"] += 1
-        changed = any(stats.values())
-        if not changed and axes is not None:
-            g.prune()  # drop the unused axes initializer again: a no-op run leaves the graph as it was
-        return PassResult(g.model, changed, stats, skipped)
+        return PassResult(g.model, any(stats.values()), stats, skipped)
 
-    def _expand(self, g: Graph, node: onnx.NodeProto, axes: str | None, rms: bool) -> list[onnx.NodeProto]:
+    def _const(self, g: Graph, kind: str, value: np.ndarray) -> str:
+        key = (kind, float(value.reshape(-1)[0]))
+        if key not in self._consts:
+            self._consts[key] = g.add_initializer(f"norm_{kind}", value)
+        return self._consts[key]
+
+    def _expand(self, g: Graph, node: onnx.NodeProto, rms: bool) -> list[onnx.NodeProto]:
         x, scale = node.input[0], node.input[1]
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        eps = g.add_initializer("norm_eps", np.array(attr(node, "epsilon", 1e-5), dtype=np.float32))
+        eps = self._const(g, "eps", np.array(attr(node, "epsilon", 1e-5), dtype=np.float32))
+        axes = self._const(g, "axes", np.array([-1], dtype=np.int64)) if self._axes_input else None
         t = {k: g.fresh(f"{node.name or 'norm'}_{k}") for k in ("mu", "d", "sq", "var", "ve", "sd", "inv", "n", "s")}
 
         def mean(src: str, dst: str) -> onnx.NodeProto:
