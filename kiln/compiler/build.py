@@ -110,7 +110,16 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or getattr(cfg, "n_layers")
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "n_heads")
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv))
+    return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), ckpt.max_length, sliding_windows(cfg, int(layers)))
+
+
+def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full), from ``layer_types`` where the config has them."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return (None,) * layers
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def copy_tokenizer(ckpt: Checkpoint, tok: Any | None, root: Path) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from kiln.passes import Pass
 from kiln.passes.cleanup import DeduplicateInitializers, EliminateDeadNodes, EliminateIdentity
 from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
+from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu
 
 
@@ -23,6 +24,9 @@ class ModelFacts:
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    max_length: int
+    sliding_windows: tuple[int | None, ...] = ()
+    """Per layer, in graph order: the attention window, or None for full attention."""
 
 
 class FusionCoverageError(KilnError):
@@ -45,6 +49,7 @@ PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
     ],
     ("decoder", "fp32"): [
         *CLEANUP,
+        lambda f: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows),
         lambda f: FuseBiasGelu(),
         lambda f: DecomposeNorm(),
         lambda f: EliminateDeadNodes(),
@@ -54,6 +59,7 @@ PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
 # pass name -> (stat that counts fusions, expected count per layer); checked after the pipeline
 COVERAGE: dict[str, tuple[str, int]] = {
     "fuse-attention": ("fused", 1),
+    "fuse-gqa": ("fused", 1),
 }
 
 

@@ -50,6 +50,12 @@ def _check(model: onnx.ModelProto) -> None:
         onnx.checker.check_model(model)
 
 
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
+
+
 def check_disabled(passes: Sequence[Pass], disabled: Sequence[str]) -> None:
     """A misspelt ``--disable-pass`` must fail loudly, not silently disable nothing."""
     known = {p.name for p in passes}
@@ -63,8 +69,12 @@ def check_disabled(passes: Sequence[Pass], disabled: Sequence[str]) -> None:
 
 def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], disabled: Sequence[str] = (),
                progress: Callable[[str], None] | None = None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
-    """Apply ``passes`` in order, skipping those named in ``disabled``; return the model and the record."""
+    """Apply ``passes`` in order, skipping those named in ``disabled``; return the model and the record.
+
+    The caller's model is left untouched (passes edit in place, so they get a copy): a test can
+    compare the input with the output, and a caller can fall back to the input."""
     check_disabled(passes, disabled)
+    model = copy_model(model)
     record: list[dict[str, Any]] = []
     done: list[str] = []
     for p in passes:

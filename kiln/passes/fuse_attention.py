@@ -49,8 +49,8 @@ def _perm(node: onnx.NodeProto | None) -> list[int] | None:
     return list(attr(node, "perm", [])) if node is not None and node.op_type == "Transpose" else None
 
 
-def match_projection(g: Graph, value: str, transpose_k: bool = False) -> Projection:
-    """value = Transpose(Reshape(MatMul(x, W) [+ b]), perm (0,2,1,3)) -> Projection."""
+def match_head_split(g: Graph, value: str, transpose_k: bool = False) -> tuple[str, list[onnx.NodeProto]]:
+    """value = Transpose(Reshape(x3d), perm (0,2,1,3)) -> (x3d, [reshape, transpose])."""
     tr = g.producer.get(value)
     want = [0, 2, 3, 1] if transpose_k else [0, 2, 1, 3]
     if _perm(tr) != want:
@@ -58,8 +58,14 @@ def match_projection(g: Graph, value: str, transpose_k: bool = False) -> Project
     rs = g.parent(tr, 0, "Reshape")
     if rs is None:
         raise NoMatch(f"head split of {value} has no Reshape")
-    add = g.parent(rs, 0, "Add")
-    mm = g.parent(add, 0, "MatMul") if add is not None else g.parent(rs, 0, "MatMul")
+    return rs.input[0], [rs, tr]
+
+
+def match_linear(g: Graph, value: str) -> Projection:
+    """value = MatMul(x, W) [+ b] with constant W (2-D) and b (1-D) -> Projection."""
+    add = g.producer.get(value)
+    add = add if add is not None and add.op_type == "Add" else None
+    mm = g.parent(add, 0, "MatMul") if add is not None else g.producer.get(value)
     bias = None
     if add is not None:
         if mm is None:
@@ -68,17 +74,29 @@ def match_projection(g: Graph, value: str, transpose_k: bool = False) -> Project
         else:
             bias = g.constant(add.input[1])
         if mm is None or bias is None or bias.ndim != 1:
-            raise NoMatch(f"projection of {value} is not MatMul + 1-D bias")
-    if mm is None:
-        raise NoMatch(f"projection of {value} is not a MatMul")
+            raise NoMatch(f"projection {value} is not MatMul + 1-D bias")
+    if mm is None or mm.op_type != "MatMul":
+        raise NoMatch(f"projection {value} is not a MatMul")
     w = g.constant(mm.input[1])
     if w is None or w.ndim != 2:
         raise NoMatch(f"projection weight {mm.input[1]} is not a constant matrix")
-    nodes = [n for n in (mm, add, rs, tr) if n is not None]
+    return Projection([n for n in (mm, add) if n is not None], mm.input[0], w, bias)
+
+
+def sole_users(g: Graph, nodes: list[onnx.NodeProto]) -> None:
+    """Every node but the last feeds only the next: fusing them must not duplicate work."""
     for n in nodes[:-1]:
         if len(g.consumers[n.output[0]]) != 1:
             raise NoMatch(f"{n.output[0]} has other users; fusing would duplicate it")
-    return Projection(nodes, mm.input[0], w, bias)
+
+
+def match_projection(g: Graph, value: str, transpose_k: bool = False) -> Projection:
+    """value = Transpose(Reshape(MatMul(x, W) [+ b]), perm (0,2,1,3)) -> Projection."""
+    x3d, split = match_head_split(g, value, transpose_k)
+    proj = match_linear(g, x3d)
+    proj.nodes += split
+    sole_users(g, proj.nodes)
+    return proj
 
 
 def match_onnx_attention(g: Graph, node: onnx.NodeProto) -> Core:

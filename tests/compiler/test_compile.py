@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -44,11 +45,13 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
         assert passes["fuse-attention"]["coverage"] == {"expected": 2, "fused": 2}
         assert passes["decompose-norm"]["stats"]["layernorm"] >= 5  # embeddings + 2 per layer
         assert passes["fuse-bias-gelu"]["stats"]["bias_gelu"] + passes["fuse-bias-gelu"]["stats"]["fast_gelu"] == 2
-    else:  # decoders: no attention fusion yet (GroupQueryAttention rules are open work)
-        assert set(passes) == {"eliminate-identity", "dedup-initializers", "fuse-bias-gelu", "decompose-norm",
-                               "eliminate-dead-nodes"}
-        norms = passes["decompose-norm"]["stats"]
-        assert norms["layernorm" if family == "gpt2" else "rmsnorm"] == 5  # 2 per layer + final
+    else:  # decoders: one GroupQueryAttention per layer, rotary fused where the model uses RoPE
+        gqa = passes["fuse-gqa"]
+        assert gqa["coverage"] == {"expected": 2, "fused": 2}
+        assert gqa["stats"] == {"fused": 2, "rotary": 0 if family == "gpt2" else 2, "packed_qkv": 2}
+        graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        ops = [n.op_type for n in graph.graph.node]
+        assert ops.count("GroupQueryAttention") == 2 and "Attention" not in ops and "RotaryEmbedding" not in ops
     assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64}
     assert manifest["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
     assert manifest["verification"]["status"] == "passed"
@@ -135,3 +138,24 @@ def test_force_replaces_existing_artifact(checkpoints, tmp_path):
     assert not (out / "stale.txt").exists()
     assert (out / "manifest.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging leftovers
+
+
+def test_sliding_window_attention_matches_eager(tmp_path):
+    """Mistral with a 6-token window: the window reaches GroupQueryAttention, and verification (sequences
+    up to 64 tokens, so the window matters) passes against eager."""
+    import transformers as T
+
+    from conftest import make_tokenizer
+
+    torch.manual_seed(0)
+    cfg = T.MistralConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                          intermediate_size=128, max_position_embeddings=64, sliding_window=6)
+    ckpt = tmp_path / "mistral-sw"
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
+    make_tokenizer("decoder").save_pretrained(ckpt)
+    out = compile(ckpt, tmp_path / "art", fast_options())
+    graph = onnx.load(str(out / "model.onnx"))
+    windows = [a.i for n in graph.graph.node if n.op_type == "GroupQueryAttention" for a in n.attribute
+               if a.name == "local_window_size"]
+    assert windows == [6, 6]
+    assert json.loads((out / "manifest.json").read_text())["verification"]["status"] == "passed"

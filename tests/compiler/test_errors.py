@@ -201,3 +201,20 @@ def test_disabled_pass_is_recorded(capsys, tmp_path, good_ckpt):
     assert rc == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"name": "fuse-attention", "disabled": True, "stats": {}} in manifest["passes"]
+
+
+def test_unfusable_head_size_fails_coverage_with_reason(capsys, tmp_path):
+    """A real Llama with head size 8: GroupQueryAttention cannot take it, so compile fails naming why."""
+    import transformers as T
+
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    ckpt = tmp_path / "llama-hd8"
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
+    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "fuse-gqa fused 0 of 2 expected",
+                 "head size 8 is not a multiple of 16", "--allow-partial-fusion")
+    rc, _, _ = run_cli(capsys, "compile", str(ckpt), "-o", str(tmp_path / "ok"), "-q", "--allow-partial-fusion",
+                       "--threads", "2", "--verify-max-length", "32")
+    assert rc == 0
+    entry = next(p for p in json.loads((tmp_path / "ok" / "manifest.json").read_text())["passes"] if p["name"] == "fuse-gqa")
+    assert entry["coverage"] == {"expected": 2, "fused": 0}

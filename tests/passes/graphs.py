@@ -51,10 +51,14 @@ def attention_graph(core: str = "explicit", kv_input: str = "x", causal: bool = 
             helper.make_node("MatMul", ["probs", "v_t"], ["ctx"], name="ctx"),
         ]
     else:
-        inits.append(_init("axes", np.array([1, 2], dtype=np.int64)))
-        nodes += [
+        inits += [_init("axes", np.array([1, 2], dtype=np.int64)), _init("ones2", np.array([1, 1], dtype=np.int64)),
+                  _init("one1", np.array([1], dtype=np.int64))]
+        nodes += [  # ONNX Runtime wants the mask's query axis at full length: (B, 1, S, S)
             helper.make_node("Cast", ["attention_mask"], ["mask_b"], to=TensorProto.BOOL),
-            helper.make_node("Unsqueeze", ["mask_b", "axes"], ["mask4d"]),
+            helper.make_node("Unsqueeze", ["mask_b", "axes"], ["mask_b4"]),
+            helper.make_node("Shape", ["attention_mask"], ["mask_seq"], start=1, end=2),
+            helper.make_node("Concat", ["ones2", "mask_seq", "one1"], ["mask_shape"], axis=0),
+            helper.make_node("Expand", ["mask_b4", "mask_shape"], ["mask4d"]),
             helper.make_node("Attention", ["q_t", "k_t", "v_t"] + ([] if causal else ["mask4d"]), ["ctx"], name="sdpa",
                              scale=0.5, is_causal=int(causal)),
         ]
@@ -118,3 +122,102 @@ def feeds(*names: str, batch: int = 2, seq: int = 5, padded: bool = True) -> dic
 
 def op_types(model: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in model.graph.node]
+
+
+HD = 16  # GroupQueryAttention needs a head size that is a multiple of 16
+
+
+def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int = HD, rotary: bool = True,
+                            packed: bool = False, causal: bool = True, bias: bool = True, seed: int = 0) -> onnx.ModelProto:
+    """One decoder self-attention layer as torch.onnx exports it: projections (or a packed Split), head split,
+    RotaryEmbedding from mask-derived positions, repeat_kv, Attention-23 with a causal & padding bool mask, merge."""
+    rng = np.random.default_rng(seed)
+    d = q_heads * head_size
+    widths = {"q": d, "k": kv_heads * head_size, "v": kv_heads * head_size}
+    nodes, inits = [], [_init("c_one", np.array(1, np.int64)), _init("c_zero", np.array(0, np.int64)),
+                        _init("ax_last", np.array([-1], np.int64)), _init("ax_12", np.array([1, 2], np.int64)),
+                        _init("ax_0", np.array([0], np.int64)), _init("ax_1", np.array([1], np.int64)),
+                        _init("ax_2", np.array([2], np.int64)), _init("c_one1", np.array([1], np.int64)),
+                        _init("merge_shape", np.array([0, 0, d], np.int64))]
+    src = {}
+    if packed:
+        inits += [_init("Wqkv", rng.standard_normal((d, sum(widths.values()))).astype(np.float32) * 0.3),
+                  _init("split_sizes", np.array(list(widths.values()), np.int64))]
+        nodes += [helper.make_node("MatMul", ["x", "Wqkv"], ["qkv"], name="qkv_mm"),
+                  helper.make_node("Split", ["qkv", "split_sizes"], ["q_lin", "k_lin", "v_lin"], name="qkv_split", axis=2)]
+        src = {t: f"{t}_lin" for t in widths}
+    else:
+        for t, w in widths.items():
+            inits.append(_init(f"W{t}", rng.standard_normal((d, w)).astype(np.float32) * 0.3))
+            nodes.append(helper.make_node("MatMul", ["x", f"W{t}"], [f"{t}_mm"], name=f"{t}_mm"))
+            src[t] = f"{t}_mm"
+            if bias:
+                inits.append(_init(f"b{t}", rng.standard_normal(w).astype(np.float32) * 0.1))
+                nodes.append(helper.make_node("Add", [f"{t}_mm", f"b{t}"], [f"{t}_lin"], name=f"{t}_add"))
+                src[t] = f"{t}_lin"
+    heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
+    for t in widths:
+        inits.append(_init(f"{t}_shape", np.array([0, 0, heads[t], head_size], np.int64)))
+        nodes += [helper.make_node("Reshape", [src[t], f"{t}_shape"], [f"{t}_heads"], name=f"{t}_reshape"),
+                  helper.make_node("Transpose", [f"{t}_heads"], [f"{t}_t"], name=f"{t}_t", perm=[0, 2, 1, 3])]
+    # positions = cumsum(mask) - 1, clipped at 0; angles = positions x inv_freq
+    inv_freq = (1.0 / 10000 ** (np.arange(0, head_size, 2) / head_size)).astype(np.float32)
+    inits.append(_init("inv_freq", inv_freq))
+    nodes += [helper.make_node("CumSum", ["attention_mask", "c_one"], ["cumsum"]),
+              helper.make_node("Sub", ["cumsum", "c_one"], ["pos0"]),
+              helper.make_node("Max", ["pos0", "c_zero"], ["pos"]),
+              helper.make_node("Unsqueeze", ["pos", "ax_last"], ["pos3"]),
+              helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
+              helper.make_node("Mul", ["posf", "inv_freq"], ["angles"]),
+              helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"])]
+    q, k, v = "q_t", "k_t", "v_t"
+    if rotary:
+        nodes += [helper.make_node("RotaryEmbedding", ["q_t", "cos", "sin"], ["q_rot"], name="q_rope", num_heads=q_heads),
+                  helper.make_node("RotaryEmbedding", ["k_t", "cos", "sin"], ["k_rot"], name="k_rope", num_heads=kv_heads)]
+        q, k = "q_rot", "k_rot"
+    if kv_heads != q_heads:  # repeat_kv: (B, kv, S, hd) -> (B, kv, rep, S, hd) -> (B, H, S, hd)
+        inits += [_init("rep_shape", np.array([1, 1, q_heads // kv_heads, 1, 1], np.int64)),
+                  _init("rep_merge", np.array([0, q_heads, -1, head_size], np.int64))]
+        for t in ("k", "v"):
+            cur = k if t == "k" else v
+            nodes += [helper.make_node("Unsqueeze", [cur, "ax_2"], [f"{t}_un"], name=f"{t}_un"),
+                      helper.make_node("Expand", [f"{t}_un", "rep_shape"], [f"{t}_ex"], name=f"{t}_ex"),
+                      helper.make_node("Reshape", [f"{t}_ex", "rep_merge"], [f"{t}_rep"], name=f"{t}_rep")]
+        k, v = "k_rep", "v_rep"
+    # mask = causal (j <= i) & padding (key j is real): (B, 1, S, S) bool
+    nodes += [helper.make_node("Shape", ["attention_mask"], ["seq1"], start=1, end=2),
+              helper.make_node("Squeeze", ["seq1"], ["seq"]),
+              helper.make_node("Range", ["c_zero", "seq", "c_one"], ["ar"]),
+              helper.make_node("Unsqueeze", ["ar", "ax_0"], ["ar_row"]),
+              helper.make_node("Unsqueeze", ["ar", "ax_1"], ["ar_col"]),
+              helper.make_node("Cast", ["attention_mask"], ["pad_b"], to=TensorProto.BOOL),
+              helper.make_node("Unsqueeze", ["pad_b", "ax_12"], ["pad4"])]
+    if causal:
+        nodes += [helper.make_node("LessOrEqual", ["ar_row", "ar_col"], ["causal"]),
+                  helper.make_node("And", ["causal", "pad4"], ["mask4"])]
+    else:
+        nodes.append(helper.make_node("Identity", ["pad4"], ["mask4"]))
+    nodes += [helper.make_node("Attention", [q, k, v, "mask4"], ["ctx"], name="sdpa", scale=head_size ** -0.5),
+              helper.make_node("Transpose", ["ctx"], ["ctx_t"], name="merge_t", perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["ctx_t", "merge_shape"], ["y"], name="merge_reshape")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", d]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"]),
+              helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])]
+    nodes.append(helper.make_node("Shape", ["input_ids"], ["ids_shape"]))  # decoders read input_ids; keep it live
+    graph = helper.make_graph(nodes, "dec_attn", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", d]),
+                               helper.make_tensor_value_info("ids_shape", TensorProto.INT64, [2])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    return model
+
+
+def decoder_feeds(d: int, seed: int = 1) -> dict[str, np.ndarray]:
+    """A left-padded batch of 3: full row, a one-token row, a half row."""
+    rng = np.random.default_rng(seed)
+    batch, seq = 3, 6
+    mask = np.ones((batch, seq), dtype=np.int64)
+    mask[1, :-1] = 0
+    mask[2, :3] = 0
+    return {"x": rng.standard_normal((batch, seq, d)).astype(np.float32), "attention_mask": mask,
+            "input_ids": np.zeros((batch, seq), dtype=np.int64)}

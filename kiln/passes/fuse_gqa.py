@@ -1,0 +1,305 @@
+"""Decoder self-attention -> ``com.microsoft.GroupQueryAttention`` (ONNX Runtime CPU/CUDA).
+
+The exporter writes each decoder layer as Q/K/V projections, head splits, RotaryEmbedding on Q
+and K, ``repeat_kv`` (Unsqueeze/Expand/Reshape) on K and V, the standard ``Attention`` op with a
+boolean causal-and-padding mask, and a head merge. One GroupQueryAttention replaces all of it:
+- Q, K and V come from one packed MatMul (the three projections' weights concatenated), or from
+  the packed tensor the model already splits (GPT-2's ``c_attn``);
+- rotary is applied inside the kernel (``do_rotary``) from cos/sin caches computed here from the
+  graph's ``inv_freq`` constant, for every position up to the model's maximum;
+- ``repeat_kv`` disappears (the kernel shares KV heads across query heads);
+- the kernel is causal itself; padding enters as an additive ``attention_bias`` built once per
+  graph from ``attention_mask``.
+
+Left padding: the kernel numbers positions from the start of the row, while the eager model
+numbers real tokens from 0. Rotary attention scores depend only on position differences, and
+padded keys are masked, so real tokens see the same scores (checked end to end by verification).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from kiln.passes.base import Pass, PassResult, Reason
+from kiln.passes.fuse_attention import NoMatch, match_head_split, match_linear, match_onnx_attention, sole_users
+from kiln.passes.graph import MS_DOMAIN, Graph, attr
+
+_COMPARISONS = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+
+
+def _ancestor_ops(g: Graph, value: str) -> set[str]:
+    seen, stack, ops = set(), [value], set()
+    while stack:
+        v = stack.pop()
+        p = g.producer.get(v)
+        if v in seen or p is None:
+            continue
+        seen.add(v)
+        ops.add(p.op_type)
+        stack.extend(i for i in p.input if i)
+    return ops
+
+
+class FuseGroupQueryAttention(Pass):
+    name = "fuse-gqa"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, max_length: int,
+                 sliding_windows: tuple[int | None, ...] = (), mask_input: str = "attention_mask",
+                 ids_input: str = "input_ids") -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.max_length = max_length
+        self.sliding_windows = sliding_windows  # per layer, in graph order; empty: full attention everywhere
+        self.mask_input = mask_input
+        self.ids_input = ids_input
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        g = Graph(model)
+        fused, rotary, packed, skipped = 0, 0, 0, []
+        self._shared: dict[str, str] = {}  # bias / seqlens / caches, built once per graph
+        for layer, handle in enumerate(g.nodes_of("Attention")):
+            self._window = self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
+            node = g.node(handle)
+            where = node.name or handle
+            try:
+                new, remove, info = self.rewrite(g, node)
+            except NoMatch as e:
+                skipped.append(Reason(where, str(e)))
+                continue
+            g.replace_nodes(remove, new)
+            fused += 1
+            rotary += info["rotary"]
+            packed += info["packed"]
+        if fused:
+            g.ensure_opset(MS_DOMAIN, 1)
+            g.prune()
+        return PassResult(g.model, fused > 0, {"fused": fused, "rotary": rotary, "packed_qkv": packed}, skipped)
+
+    # --- matching ------------------------------------------------------------------------
+    def _heads_source(self, g: Graph, value: str, role: str) -> tuple[str, onnx.NodeProto | None, list[onnx.NodeProto]]:
+        """Walk back from an Attention input: [repeat_kv] <- [RotaryEmbedding] <- head split -> 3-D source.
+
+        Returns the source and the nodes between it and the Attention, input first."""
+        nodes: list[onnx.NodeProto] = []
+        cur = g.producer.get(value)
+        if role != "q" and cur is not None and cur.op_type == "Reshape":  # repeat_kv: Unsqueeze -> Expand -> Reshape
+            ex = g.parent(cur, 0, "Expand")
+            un = g.parent(ex, 0, "Unsqueeze") if ex is not None else None
+            if un is None:
+                raise NoMatch(f"{role} input {value} is a Reshape that is not repeat_kv (Unsqueeze/Expand/Reshape)")
+            nodes = [un, ex, cur]
+            value = un.input[0]
+            cur = g.producer.get(value)
+        rope = None
+        if cur is not None and cur.op_type == "RotaryEmbedding":
+            rope = cur
+            nodes.insert(0, rope)
+            value = rope.input[0]
+        x3d, split = match_head_split(g, value)
+        return x3d, rope, split + nodes
+
+    def _rotary(self, g: Graph, q_rope: onnx.NodeProto | None, k_rope: onnx.NodeProto | None, head_size: int):
+        if q_rope is None and k_rope is None:
+            return None
+        if q_rope is None or k_rope is None:
+            raise NoMatch("rotary is applied to only one of Q and K")
+        for rope in (q_rope, k_rope):
+            if len(rope.input) > 3 and rope.input[3]:
+                raise NoMatch("RotaryEmbedding takes position_ids; only precomputed cos/sin are recognised")
+            if attr(rope, "rotary_embedding_dim", 0) not in (0, head_size):
+                raise NoMatch(f"partial rotary (dim {attr(rope, 'rotary_embedding_dim')} of {head_size}) is not supported")
+        if attr(q_rope, "interleaved", 0) != attr(k_rope, "interleaved", 0):
+            raise NoMatch("Q and K use different rotary layouts")
+        tables = []
+        for i, fn in ((1, "Cos"), (2, "Sin")):
+            angles = set()
+            scale = set()
+            for rope in (q_rope, k_rope):
+                p = g.producer.get(rope.input[i])
+                factor = 1.0
+                if p is not None and p.op_type == "Mul":  # attention_scaling (llama3/yarn rope) multiplies cos and sin
+                    c = g.constant(p.input[1])
+                    if c is None or c.size != 1:
+                        raise NoMatch(f"rotary {fn.lower()} table is scaled by a non-constant")
+                    factor = float(c.reshape(()))
+                    p = g.producer.get(p.input[0])
+                if p is None or p.op_type != fn:
+                    raise NoMatch(f"rotary {fn.lower()} input is not {fn}(positions x inv_freq)")
+                angles.add(p.input[0])
+                scale.add(factor)
+            if len(angles) != 1 or len(scale) != 1:
+                raise NoMatch("Q and K rotate by different angle tables")
+            tables.append((angles.pop(), scale.pop()))
+        if tables[0][0] != tables[1][0]:
+            raise NoMatch("cos and sin come from different angle tables")
+        mul = g.producer.get(tables[0][0])
+        inv_freq = None
+        if mul is not None and mul.op_type == "Mul":
+            for i in (0, 1):
+                c = g.constant(mul.input[i])
+                if c is not None and c.size == head_size // 2:
+                    inv_freq = c.reshape(-1).astype(np.float64)
+                    positions = mul.input[1 - i]
+        if inv_freq is None:
+            raise NoMatch(f"rotary angles are not positions x a constant inv_freq of {head_size // 2} values")
+        if g.ancestors_inputs(positions) - {self.mask_input}:
+            raise NoMatch("rotary positions do not come from attention_mask alone")
+        return inv_freq, tables[0][1], int(attr(q_rope, "interleaved", 0))
+
+    def rewrite(self, g: Graph, node: onnx.NodeProto):
+        core = match_onnx_attention(g, node)
+        if core.mask is None and not core.causal:
+            raise NoMatch("attention is neither causal nor masked: not decoder self-attention")
+        if core.mask is not None:
+            if g.ancestors_inputs(core.mask) - {self.mask_input, self.ids_input}:
+                raise NoMatch(f"mask {core.mask} depends on inputs other than {self.mask_input}")
+            if not _ancestor_ops(g, core.mask) & _COMPARISONS:
+                raise NoMatch(f"mask {core.mask} compares no positions, so it is not causal")
+        q3, q_rope, q_nodes = self._heads_source(g, core.q, "q")
+        k3, k_rope, k_nodes = self._heads_source(g, core.k, "k")
+        v3, _, v_nodes = self._heads_source(g, core.v, "v")
+        merge_tr = g.only_consumer(core.out, "Transpose")
+        merge_rs = g.only_consumer(merge_tr.output[0], "Reshape") if merge_tr is not None else None
+        if merge_tr is None or list(attr(merge_tr, "perm", [])) != [0, 2, 1, 3] or merge_rs is None:
+            raise NoMatch("attention output is not merged back by Transpose(0,2,1,3) + Reshape")
+        for x in (q3, k3, v3):
+            if len(g.consumers[x]) != 1:
+                raise NoMatch(f"{x} has other users; fusing would duplicate it")
+        qkv, proj_nodes, hidden = self._pack(g, q3, k3, v3)
+        head_size = hidden // self.num_heads
+        if hidden % self.num_heads:
+            raise NoMatch(f"query width {hidden} is not divisible by {self.num_heads} heads")
+        if head_size % 16:
+            raise NoMatch(f"head size {head_size} is not a multiple of 16, which GroupQueryAttention requires")
+        rope = self._rotary(g, q_rope, k_rope, head_size)
+        for nodes in (q_nodes, k_nodes, v_nodes):
+            sole_users(g, nodes + [node])
+        new: list[onnx.NodeProto] = list(proj_nodes["new"])
+        bias = self._padding_bias(g, new)
+        seqlens, total = self._lengths(g, new)
+        cos = sin = ""
+        if rope is not None:
+            cos, sin = self._caches(g, *rope[:2], head_size)
+        inputs = [*qkv, *[""] * (3 - len(qkv)), "", "", seqlens, total, cos, sin, "", bias]
+        attrs = dict(num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, do_rotary=int(rope is not None),
+                     rotary_interleaved=rope[2] if rope else 0,
+                     scale=float(core.scale if core.scale is not None else head_size ** -0.5))
+        if self._window:
+            attrs["local_window_size"] = int(self._window)
+        # The kernel writes (B, S, H*hd), the layout Transpose(0,2,1,3) gave the merge Reshape, so that
+        # Reshape stays (it may flatten to 2-D for a Gemm, as GPT-2's does) and only the Transpose goes.
+        out = g.fresh("gqa_out")
+        new.append(helper.make_node("GroupQueryAttention", inputs, [out], name=g.fresh("GroupQueryAttention"),
+                                    domain=MS_DOMAIN, **attrs))
+        new.append(helper.make_node("Reshape", [out, merge_rs.input[1]], [merge_rs.output[0]], name=merge_rs.name))
+        remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs]
+        return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
+
+    def _pack(self, g: Graph, q3: str, k3: str, v3: str):
+        """One packed (B, S, (H + 2 KV) hd) query input when possible; else Q, K, V separately."""
+        hq, hk = self.num_heads, self.num_kv_heads
+        split = g.producer.get(q3)
+        if split is not None and split.op_type == "Split" and list(split.output) == [q3, k3, v3]:
+            sizes = g.constant(split.input[1]) if len(split.input) > 1 and split.input[1] else None
+            width = self._width(g, split.input[0])
+            if attr(split, "axis", 0) not in (-1, 2):
+                raise NoMatch("packed QKV is split on an axis other than the last")
+            if sizes is not None and (sizes[1] != sizes[2] or sizes[0] * hk != sizes[1] * hq):
+                raise NoMatch(f"packed QKV split sizes {list(sizes)} do not match {hq} query / {hk} KV heads")
+            hidden = int(sizes[0]) if sizes is not None else (width // 3 if width else None)
+            if hidden is None:
+                raise NoMatch("width of the packed QKV tensor is unknown")
+            return [split.input[0]], {"new": [], "old": [split]}, hidden
+        q, k, v = (match_linear(g, x) for x in (q3, k3, v3))
+        if not (q.x == k.x == v.x):
+            raise NoMatch("Q, K and V project different inputs (cross-attention)")
+        hidden = q.weight.shape[1]
+        if k.weight.shape != v.weight.shape or k.weight.shape[1] * hq != hidden * hk:
+            raise NoMatch(f"K/V projection widths {k.weight.shape[1]}, {v.weight.shape[1]} do not match {hk} KV heads")
+        for p in (q, k, v):
+            sole_users(g, p.nodes)
+        weight = g.add_initializer("qkv_weight", np.concatenate([q.weight, k.weight, v.weight], 1))
+        out = g.fresh("qkv")
+        new = [helper.make_node("MatMul", [q.x, weight], [out], name=g.fresh("QKV"))]
+        if any(p.bias is not None for p in (q, k, v)):
+            biases = [p.bias if p.bias is not None else np.zeros(p.weight.shape[1], p.weight.dtype) for p in (q, k, v)]
+            b = g.add_initializer("qkv_bias", np.concatenate(biases).astype(q.weight.dtype))
+            biased = g.fresh("qkv_biased")
+            new.append(helper.make_node("Add", [out, b], [biased], name=g.fresh("QKVBias")))
+            out = biased
+        return [out], {"new": new, "old": [n for p in (q, k, v) for n in p.nodes]}, hidden
+
+    @staticmethod
+    def _width(g: Graph, value: str) -> int | None:
+        p = g.producer.get(value)
+        if p is not None and p.op_type == "Reshape":
+            shape = g.constant(p.input[1])
+            if shape is not None and shape.size == 3 and shape[2] > 0:
+                return int(shape[2])
+            p = g.producer.get(p.input[0])
+        if p is not None and p.op_type in ("Gemm", "MatMul"):
+            w = g.constant(p.input[1])
+            if w is not None and w.ndim == 2:
+                return int(w.shape[0] if attr(p, "transB", 0) else w.shape[1])
+        return None
+
+    # --- shared inputs, built once per graph -------------------------------------------------
+    def _shape_of(self, g: Graph, new: list, value: str, start: int, end: int) -> str:
+        key = f"shape:{value}:{start}"
+        if key not in self._shared:
+            out = g.fresh(f"{value}_dim{start}")
+            new.append(helper.make_node("Shape", [value], [out], start=start, end=end, name=g.fresh("Shape")))
+            self._shared[key] = out
+        return self._shared[key]
+
+    def _padding_bias(self, g: Graph, new: list) -> str:
+        """attention_mask (B, T) -> additive bias (B, 1, S, T): 0 for real tokens, float32 min for padding."""
+        if "bias" in self._shared:
+            return self._shared["bias"]
+        c = {k: g.add_initializer(k, v) for k, v in (
+            ("pad_one", np.array(1.0, np.float32)), ("pad_neg", np.array(np.finfo(np.float32).min, np.float32)),
+            ("pad_axes", np.array([1, 2], np.int64)), ("pad_ones2", np.array([1, 1], np.int64)),
+            ("pad_one1", np.array([1], np.int64)))}
+        t = {k: g.fresh(f"pad_{k}") for k in ("f", "inv", "b2", "b4", "shape", "bias")}
+        seq = self._shape_of(g, new, self.ids_input, 1, 2)
+        new += [
+            helper.make_node("Cast", [self.mask_input], [t["f"]], to=TensorProto.FLOAT, name=g.fresh("PadCast")),
+            helper.make_node("Sub", [c["pad_one"], t["f"]], [t["inv"]], name=g.fresh("PadInv")),
+            helper.make_node("Mul", [t["inv"], c["pad_neg"]], [t["b2"]], name=g.fresh("PadBias")),
+            helper.make_node("Unsqueeze", [t["b2"], c["pad_axes"]], [t["b4"]], name=g.fresh("PadUnsqueeze")),
+            helper.make_node("Concat", [c["pad_ones2"], seq, c["pad_one1"]], [t["shape"]], axis=0, name=g.fresh("PadShape")),
+            helper.make_node("Expand", [t["b4"], t["shape"]], [t["bias"]], name=g.fresh("PadExpand")),
+        ]
+        self._shared["bias"] = t["bias"]
+        return t["bias"]
+
+    def _lengths(self, g: Graph, new: list) -> tuple[str, str]:
+        """seqlens_k (B,) = T - 1 for every row (padding is in the bias) and total_sequence_length T."""
+        if "total" in self._shared:
+            return self._shared["seqlens"], self._shared["total"]
+        batch = self._shape_of(g, new, self.mask_input, 0, 1)
+        length = self._shape_of(g, new, self.mask_input, 1, 2)
+        one = g.add_initializer("len_one", np.array(1, np.int64))
+        empty = g.add_initializer("len_scalar", np.array([], np.int64))
+        t = {k: g.fresh(f"len_{k}") for k in ("total64", "total", "last", "last32", "seqlens")}
+        new += [
+            helper.make_node("Reshape", [length, empty], [t["total64"]], name=g.fresh("TotalLength")),
+            helper.make_node("Cast", [t["total64"]], [t["total"]], to=TensorProto.INT32, name=g.fresh("TotalCast")),
+            helper.make_node("Sub", [t["total64"], one], [t["last"]], name=g.fresh("LastIndex")),
+            helper.make_node("Cast", [t["last"]], [t["last32"]], to=TensorProto.INT32, name=g.fresh("LastCast")),
+            helper.make_node("Expand", [t["last32"], batch], [t["seqlens"]], name=g.fresh("SeqLens")),
+        ]
+        self._shared.update(seqlens=t["seqlens"], total=t["total"])
+        return t["seqlens"], t["total"]
+
+    def _caches(self, g: Graph, inv_freq: np.ndarray, scale: float, head_size: int) -> tuple[str, str]:
+        key = f"rope:{inv_freq.tobytes().hex()}:{scale}"
+        if key not in self._shared:
+            angles = np.arange(self.max_length, dtype=np.float64)[:, None] * inv_freq[None, :]  # (max_len, hd/2)
+            cos = g.add_initializer("cos_cache", (np.cos(angles) * scale).astype(np.float32))
+            sin = g.add_initializer("sin_cache", (np.sin(angles) * scale).astype(np.float32))
+            self._shared[key] = f"{cos}|{sin}"
+        cos, sin = self._shared[key].split("|")
+        return cos, sin

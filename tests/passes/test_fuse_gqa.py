@@ -1,0 +1,79 @@
+"""fuse-gqa: decoder attention -> GroupQueryAttention; fires, refuses with reasons, idempotent, matches unfused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from graphs import HD, decoder_attention_graph, decoder_feeds, op_types, run_unoptimised
+
+from kiln.passes import run_passes
+from kiln.passes.fuse_gqa import FuseGroupQueryAttention
+
+
+def gqa(q_heads=2, kv_heads=1, **kw):
+    return FuseGroupQueryAttention(num_heads=q_heads, num_kv_heads=kv_heads, max_length=32, **kw)
+
+
+def assert_matches_unfused(model, fused, d):
+    f = decoder_feeds(d)
+    expected, got = run_unoptimised(model, f)[0], run_unoptimised(fused, f)[0]
+    real = f["attention_mask"].astype(bool)
+    assert np.isfinite(got[real]).all()
+    np.testing.assert_allclose(got[real], expected[real], atol=1e-4)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,bias", [(2, 1, True), (2, 2, False), (4, 1, True)])
+def test_fuses_rotary_gqa_and_matches_unfused(q_heads, kv_heads, bias):
+    model = decoder_attention_graph(q_heads, kv_heads, bias=bias)
+    fused, record = run_passes(model, [gqa(q_heads, kv_heads)])
+    assert record[0]["stats"] == {"fused": 1, "rotary": 1, "packed_qkv": 1}
+    ops = op_types(fused)
+    assert ops.count("GroupQueryAttention") == 1
+    assert {"Attention", "RotaryEmbedding", "Cos", "Sin", "Transpose", "Split"}.isdisjoint(ops)
+    assert ops.count("MatMul") == 1  # Q, K and V packed into one projection
+    node = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")
+    attrs = {a.name: a for a in node.attribute}
+    assert node.domain == "com.microsoft" and attrs["do_rotary"].i == 1 and attrs["kv_num_heads"].i == kv_heads
+    assert_matches_unfused(model, fused, q_heads * HD)
+
+
+def test_packed_split_without_rotary_matches_unfused():
+    model = decoder_attention_graph(2, 2, rotary=False, packed=True)
+    fused, record = run_passes(model, [gqa(2, 2)])
+    assert record[0]["stats"] == {"fused": 1, "rotary": 0, "packed_qkv": 1}
+    assert "Split" not in op_types(fused)
+    assert_matches_unfused(model, fused, 2 * HD)
+
+
+def test_sliding_window_is_set_per_layer():
+    fused, _ = run_passes(decoder_attention_graph(), [gqa(sliding_windows=(3,))])
+    node = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")
+    assert {a.name: a.i for a in node.attribute}["local_window_size"] == 3
+    plain, _ = run_passes(decoder_attention_graph(), [gqa()])
+    node = next(n for n in plain.graph.node if n.op_type == "GroupQueryAttention")
+    assert "local_window_size" not in {a.name for a in node.attribute}
+
+
+def test_second_run_changes_nothing():
+    once, _ = run_passes(decoder_attention_graph(), [gqa()])
+    twice, record = run_passes(once, [gqa()])
+    assert record[0]["modified"] is False and record[0]["stats"]["fused"] == 0
+    assert twice.SerializeToString() == once.SerializeToString()
+
+
+@pytest.mark.parametrize("kwargs,heads,why", [
+    (dict(head_size=8), (2, 1), "head size 8 is not a multiple of 16"),
+    (dict(causal=False), (2, 1), "compares no positions, so it is not causal"),
+])
+def test_refuses_with_reason(kwargs, heads, why):
+    model = decoder_attention_graph(*heads, **kwargs)
+    out, record = run_passes(model, [gqa(*heads)])
+    assert record[0]["stats"]["fused"] == 0
+    assert why in record[0]["skipped"][0]["why"]
+    assert "GroupQueryAttention" not in op_types(out)
+
+
+def test_wrong_kv_head_count_is_refused():
+    _, record = run_passes(decoder_attention_graph(2, 1), [gqa(2, 2)])
+    assert record[0]["stats"]["fused"] == 0
+    assert "do not match 2 KV heads" in record[0]["skipped"][0]["why"]
