@@ -9,7 +9,13 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.passes import Pass
-from kiln.passes.cleanup import DeduplicateInitializers, EliminateDeadNodes, EliminateIdentity
+from kiln.passes.cleanup import (
+    DeduplicateInitializers,
+    EliminateDeadNodes,
+    EliminateIdentity,
+    EliminateUnusedIO,
+    FoldConstants,
+)
 from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_gqa import FuseGroupQueryAttention
@@ -38,7 +44,8 @@ PassFactory = Callable[[ModelFacts], Pass]
 # ONNX Runtime CPU. Norms are decomposed rather than fused into SkipLayerNormalization: ORT's CPU
 # norm kernels are 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py);
 # FuseSkipLayerNorm stays available for targets whose kernel is fast.
-CLEANUP: list[PassFactory] = [lambda f: EliminateIdentity(), lambda f: DeduplicateInitializers()]
+CLEANUP: list[PassFactory] = [lambda f: EliminateIdentity(), lambda f: FoldConstants(), lambda f: DeduplicateInitializers(),
+                              lambda f: EliminateUnusedIO()]
 PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
     ("encoder", "fp32"): [
         *CLEANUP,

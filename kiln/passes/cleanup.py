@@ -70,3 +70,69 @@ class EliminateDeadNodes(Pass):
         removed = g.prune()
         dropped = before_init - len(g.g.initializer)
         return PassResult(g.model, bool(removed or dropped), {"nodes": removed, "initializers": dropped}, [])
+
+
+class FoldConstants(Pass):
+    """Evaluate nodes whose inputs are all constant (onnxscript's folder); counts what it folded.
+
+    Large results stay as nodes (the folder's size limits keep the graph file from ballooning);
+    each such node is reported as skipped."""
+
+    name = "fold-constants"
+
+    def __init__(self, size_limit: int = 1 << 20) -> None:
+        self.size_limit = size_limit  # elements, for any input or output of a folded node
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        from onnxscript.optimizer import fold_constants
+
+        before = len(model.graph.node)
+        fold_constants(model, input_size_limit=self.size_limit, output_size_limit=self.size_limit)
+        g = Graph(model)
+        g.prune()
+        constant = set(g.initializers)
+        skipped = []
+        for node in g.g.node:
+            if node.input and all(i in constant or not i for i in node.input) and node.op_type != "Constant":
+                skipped.append(Reason(node.name or node.output[0], f"{node.op_type} has only constant inputs but its "
+                                      f"tensors exceed {self.size_limit} elements or not evaluable here"))
+        folded = before - len(g.g.node)
+        return PassResult(g.model, folded > 0, {"folded": folded}, skipped)
+
+
+class EliminateUnusedIO(Pass):
+    """Graph inputs no node reads, and optional node outputs nobody uses.
+
+    A dropped graph input stays in the manifest (callers may still feed it; the runtime drops the
+    feed), so the artifact's contract does not change with the model's internals."""
+
+    name = "eliminate-unused-io"
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        g = Graph(model)
+        unused = [i for i in g.g.input if not g.consumers.get(i.name) and i.name not in g.graph_outputs]
+        for i in unused:
+            g.g.input.remove(i)
+        cleared = 0
+        for node in g.g.node:
+            schema = _schema(node)
+            if schema is None:
+                continue
+            for idx in range(len(node.output) - 1, 0, -1):  # trailing optional outputs only
+                name = node.output[idx]
+                optional = idx < len(schema.outputs) and schema.outputs[idx].option == onnx.defs.OpSchema.FormalParameterOption.Optional
+                if not name or not optional or g.consumers.get(name) or name in g.graph_outputs:
+                    break
+                del node.output[idx]
+                cleared += 1
+        if unused or cleared:
+            g.reindex()
+        return PassResult(g.model, bool(unused or cleared), {"inputs": len(unused), "node_outputs": cleared},
+                          [Reason(i.name, "kept in the manifest; the runtime ignores a feed for it") for i in unused])
+
+
+def _schema(node: onnx.NodeProto) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(node.op_type, domain=node.domain)
+    except onnx.defs.SchemaError:
+        return None

@@ -25,6 +25,7 @@ class OnnxRuntime(Runtime):
         self.optimization = optimization
         self._session: ort.InferenceSession | None = None
         self._output_names: list[str] = []
+        self._input_names: set[str] = set()
 
     def load(self, manifest: Manifest, graph: str = "model") -> None:
         opts = ort.SessionOptions()
@@ -42,12 +43,14 @@ class OnnxRuntime(Runtime):
         except Exception as e:  # ORT raises its own untyped errors
             raise ArtifactError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}; recompile the artifact") from e
         self._output_names = [o.name for o in self._session.get_outputs()]
+        # The manifest may list inputs the graph no longer reads (eliminate-unused-io): accepted, not fed.
+        self._input_names = {i.name for i in self._session.get_inputs()}
         log.debug("loaded %s with %s", path, self._session.get_providers())
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is None:
             raise RuntimeError("OnnxRuntime.run called before load() or after close()")
-        values = self._session.run(self._output_names, dict(feeds))
+        values = self._session.run(self._output_names, {k: v for k, v in feeds.items() if k in self._input_names})
         return dict(zip(self._output_names, values))
 
     def close(self) -> None:
