@@ -15,7 +15,7 @@ from kiln import __version__
 from kiln.compiler import cases as case_lib
 from kiln.compiler.artifact import check_output, staging, tool_versions, write_manifest
 from kiln.compiler.load import Checkpoint, load_checkpoint
-from kiln.compiler.options import PRECISIONS, TASKS, CompileOptions
+from kiln.compiler.options import PRECISIONS, TARGETS, TASKS, CompileOptions
 from kiln.compiler.pipeline import ModelFacts, check_coverage, select_passes
 from kiln.compiler.trace import EagerRunner, export, io_specs
 from kiln.compiler.verify import failures, latency, verify
@@ -32,6 +32,8 @@ GRAPH = "model.onnx"
 def _check_options(options: CompileOptions) -> None:
     if options.precision not in PRECISIONS:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+    if options.target not in TARGETS:
+        raise UsageError(f"target {options.target!r} is not supported; choose one of {', '.join(TARGETS)}")
     if options.task is not None and options.task not in TASKS:
         raise UsageError(f"task {options.task!r} is unknown; choose one of {', '.join(TASKS)}")
 
@@ -56,15 +58,20 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
     graph_files = export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
     facts = model_facts(ckpt)
-    passes = select_passes(facts, options.precision)
+    passes = select_passes(facts, options.precision, options.target)
     check_disabled(passes, options.disabled_passes)
     record: list[dict[str, Any]] = []
+    target_info: dict[str, Any] = {}
     if passes:
         import onnx
 
         model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)
         for problem in check_coverage(record, facts, options.allow_partial_fusion):
             say(f"warning: {problem} (--allow-partial-fusion)")
+        if options.target == "tensorrt":
+            from kiln.passes.check_tensorrt import min_tensorrt
+
+            target_info["min_tensorrt"] = min_tensorrt(model)
         external = len(graph_files) > 1
         for f in graph_files:
             f.unlink()
@@ -74,6 +81,8 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     tok = case_lib.load_hf_tokenizer(ckpt.path)
     tokenizer_spec = copy_tokenizer(ckpt, tok, root)
     manifest = manifest_data(ckpt, facts, options, record, tokenizer_spec)
+    if target_info:
+        manifest["target_info"] = target_info
     write_manifest(root, manifest)
     if not options.verify:
         say("verification skipped (--no-verify)")
@@ -110,7 +119,10 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or getattr(cfg, "n_layers")
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "n_heads")
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), ckpt.max_length, sliding_windows(cfg, int(layers)))
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "dim", None) or cfg.n_embd
+    head_size = getattr(cfg, "head_dim", None) or int(hidden) // int(heads)
+    return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), int(head_size), ckpt.max_length,
+                      sliding_windows(cfg, int(layers)))
 
 
 def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:
@@ -164,7 +176,7 @@ def manifest_data(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, 
         "graphs": {"model": GRAPH},
         "opset": options.opset,
         "precision": options.precision,
-        "target": "onnxruntime-cpu",
+        "target": {"cpu": "onnxruntime-cpu", "tensorrt": "tensorrt"}[options.target],
         "passes": record,
         "tokenizer": tokenizer,
         "verification": {"status": "skipped" if not options.verify else "pending"},

@@ -31,7 +31,7 @@ class _Progress:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kiln.compiler.options import PRECISIONS, TASKS, CompileOptions
+    from kiln.compiler.options import PRECISIONS, TARGETS, TASKS, CompileOptions
 
     d = CompileOptions()
     p = argparse.ArgumentParser(prog="kiln", description="Compile Transformers into verified deployment artifacts.")
@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="artifact directory to create")
     c.add_argument("--task", choices=TASKS, default=d.task, help="override the head implied by config.architectures")
     c.add_argument("--precision", choices=PRECISIONS, default=d.precision)
+    c.add_argument("--target", choices=TARGETS, default=d.target,
+                   help="cpu: ONNX Runtime graph; tensorrt: standard-op graph TensorRT parses (verified on ONNX Runtime)")
     c.add_argument("--opset", type=int, default=d.opset)
     c.add_argument("--threads", type=int, default=d.threads, help="threads for verification and latency (default: all)")
     c.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check (recorded)")
@@ -91,7 +93,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.compiler.options import CompileOptions
 
     opts = CompileOptions(
-        task=args.task, precision=args.precision, opset=args.opset, verify=args.verify, force=args.force,
+        task=args.task, precision=args.precision, target=args.target, opset=args.opset, verify=args.verify, force=args.force,
         threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
     )

@@ -7,6 +7,8 @@ from typing import Any
 
 TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm")
 PRECISIONS = ("fp32",)
+TARGETS = ("cpu", "tensorrt")
+"""cpu: ONNX Runtime's contrib-op graph; tensorrt: standard-op graph for TensorRT's parser (also runs on ONNX Runtime)."""
 
 
 @dataclass
@@ -14,6 +16,7 @@ class CompileOptions:
     task: str | None = None
     """Override the head the checkpoint's ``architectures`` implies (one of TASKS)."""
     precision: str = "fp32"
+    target: str = "cpu"
     opset: int = 23
     verify: bool = True
     """Run the parity check; ``False`` is recorded in the manifest."""

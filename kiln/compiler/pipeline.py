@@ -16,10 +16,13 @@ from kiln.passes.cleanup import (
     EliminateUnusedIO,
     FoldConstants,
 )
+from kiln.passes.canonicalize_attention import CanonicalizeAttention
+from kiln.passes.check_tensorrt import CheckTensorRTOps
 from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu
+from kiln.passes.pin_norms import PinNormsFP32
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class ModelFacts:
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    head_size: int
     max_length: int
     sliding_windows: tuple[int | None, ...] = ()
     """Per layer, in graph order: the attention window, or None for full attention."""
@@ -46,15 +50,27 @@ PassFactory = Callable[[ModelFacts], Pass]
 # FuseSkipLayerNorm stays available for targets whose kernel is fast.
 CLEANUP: list[PassFactory] = [lambda f: EliminateIdentity(), lambda f: FoldConstants(), lambda f: DeduplicateInitializers(),
                               lambda f: EliminateUnusedIO()]
-PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
-    ("encoder", "fp32"): [
+# TensorRT: standard-domain ops only (checked last by a gate), attention in the canonical form its
+# fused MHA kernel takes, norms kept whole (TensorRT fuses them) and pinned to FP32 when the graph is
+# reduced precision. Verified on ONNX Runtime CPU like every artifact.
+TENSORRT: list[PassFactory] = [
+    *CLEANUP,
+    lambda f: CanonicalizeAttention(f.head_size),
+    lambda f: PinNormsFP32(),
+    lambda f: EliminateDeadNodes(),
+    lambda f: CheckTensorRTOps(),
+]
+PIPELINES: dict[tuple[str, str, str], list[PassFactory]] = {
+    ("tensorrt", "encoder", "fp32"): TENSORRT,
+    ("tensorrt", "decoder", "fp32"): TENSORRT,
+    ("cpu", "encoder", "fp32"): [
         *CLEANUP,
         lambda f: FuseAttention(num_heads=f.num_heads),
         lambda f: FuseBiasGelu(),
         lambda f: DecomposeNorm(),
         lambda f: EliminateDeadNodes(),
     ],
-    ("decoder", "fp32"): [
+    ("cpu", "decoder", "fp32"): [
         *CLEANUP,
         lambda f: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows),
         lambda f: FuseBiasGelu(),
@@ -67,11 +83,12 @@ PIPELINES: dict[tuple[str, str], list[PassFactory]] = {
 COVERAGE: dict[str, tuple[str, int]] = {
     "fuse-attention": ("fused", 1),
     "fuse-gqa": ("fused", 1),
+    "canonicalize-attention": ("canonical", 1),
 }
 
 
-def select_passes(facts: ModelFacts, precision: str) -> list[Pass]:
-    return [make(facts) for make in PIPELINES[(facts.kind, precision)]]
+def select_passes(facts: ModelFacts, precision: str, target: str = "cpu") -> list[Pass]:
+    return [make(facts) for make in PIPELINES[(target, facts.kind, precision)]]
 
 
 def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool) -> list[str]:

@@ -159,3 +159,20 @@ def test_sliding_window_attention_matches_eager(tmp_path):
                if a.name == "local_window_size"]
     assert windows == [6, 6]
     assert json.loads((out / "manifest.json").read_text())["verification"]["status"] == "passed"
+
+
+@pytest.mark.parametrize("family", [f for f, _ in FAMILY_HEADS])
+def test_tensorrt_flavour_compiles_and_verifies_on_onnxruntime(checkpoints, tmp_path, family):
+    """--target tensorrt: standard-domain ops only, one canonical Attention per layer, parity on ORT CPU."""
+    out = compile(checkpoints[family], tmp_path / "trt", fast_options(target="tensorrt", latency_budget_s=0.1))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"] == "tensorrt" and manifest["verification"]["status"] == "passed"
+    passes = {p["name"]: p for p in manifest["passes"]}
+    assert passes["canonicalize-attention"]["coverage"] == {"expected": 2, "fused": 2}
+    assert passes["check-tensorrt-ops"]["stats"]["checked"] > 0
+    graph = onnx.load(str(out / "model.onnx"))
+    assert {n.domain for n in graph.graph.node} <= {""}
+    attn = [n for n in graph.graph.node if n.op_type == "Attention"]
+    assert len(attn) == 2 and all(a.f == 1.0 for n in attn for a in n.attribute if a.name == "scale")
+    rope = KINDS.get(family) is None and family != "gpt2"
+    assert manifest["target_info"]["min_tensorrt"] == ("10.15" if rope else "10.14")
