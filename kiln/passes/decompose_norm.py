@@ -24,13 +24,16 @@ def _opset(model: onnx.ModelProto) -> int:
 class DecomposeNorm(Pass):
     name = "decompose-norm"
 
+    def __init__(self, ops: tuple[str, ...] = ("LayerNormalization", "RMSNormalization")) -> None:
+        self.ops = ops
+
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
         self._axes_input = _opset(model) >= 18
         self._consts: dict[tuple[str, float], str] = {}  # one initializer per distinct constant
         stats = {"layernorm": 0, "rmsnorm": 0}
         skipped = []
-        for op in ("LayerNormalization", "RMSNormalization"):
+        for op in self.ops:
             for handle in g.nodes_of(op):
                 node = g.node(handle)
                 where = node.name or handle

@@ -52,6 +52,12 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
         graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
         ops = [n.op_type for n in graph.graph.node]
         assert ops.count("GroupQueryAttention") == 2 and "Attention" not in ops and "RotaryEmbedding" not in ops
+        if family == "gpt2":  # LayerNorm: decomposed (ORT's CPU kernel is slow); gelu_new written out -> FastGelu
+            assert passes["decompose-norm"]["stats"]["layernorm"] == 5
+            assert passes["fuse-bias-gelu"]["stats"]["tanh_chain"] == 2 and ops.count("FastGelu") == 2
+        else:  # RMSNorm: residual ones fused with their Add; the first has no residual
+            assert passes["fuse-skip-layernorm"]["stats"]["fused"] == 4
+            assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 1
     assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64}
     assert manifest["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
     assert manifest["verification"]["status"] == "passed"

@@ -74,7 +74,7 @@ def attention_graph(core: str = "explicit", kv_input: str = "x", causal: bool = 
     return model
 
 
-def residual_graph(bias: bool = True, gelu: str | None = None, extra_use: bool = False) -> onnx.ModelProto:
+def residual_graph(bias: bool = True, gelu: str | None = None, extra_use: bool = False, rms: bool = False) -> onnx.ModelProto:
     """y = LayerNorm(MatMul(x, W) [+ b] + r); optionally a bias Add + Gelu branch; optionally the sum reused."""
     rng = np.random.default_rng(0)
     inits = [_init("W", rng.standard_normal((H, H)).astype(np.float32)), _init("b", rng.standard_normal(H).astype(np.float32)),
@@ -85,6 +85,7 @@ def residual_graph(bias: bool = True, gelu: str | None = None, extra_use: bool =
         nodes.append(helper.make_node("Add", ["mm", "b"], ["lin"]))
         last = "lin"
     nodes += [helper.make_node("Add", [last, "r"], ["sum"], name="residual"),
+              helper.make_node("RMSNormalization", ["sum", "gamma"], ["y"], name="ln", epsilon=1e-5, axis=-1) if rms else
               helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], name="ln", epsilon=1e-5, axis=-1)]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", H])]
     if gelu:
