@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# Both ONNX Runtime sessions run with spinning off: on 2 cores, one session's idle spinning threads
+# otherwise steal the next system's cores and swing batch-1 ratios by +-10% between runs.
+SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 
 
 def cpu_name() -> str:
@@ -62,6 +65,8 @@ def build_anchor(python: str, ckpt: Path, out: Path, threads: int):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
+    for key, value in SESSION_CONFIG.items():
+        opts.add_session_config_entry(key, value)
     return ort.InferenceSession(str(out / "model_optimized.onnx"), opts, providers=["CPUExecutionProvider"])
 
 
@@ -89,7 +94,7 @@ def main() -> int:
     print(f"compiling {ckpt} -> {art}", file=sys.stderr)
     compile(ckpt, art, CompileOptions(threads=args.threads, verify=False))
     eager = transformers.AutoModel.from_pretrained(str(ckpt), attn_implementation="sdpa").eval()
-    model = kr.load(art, threads=args.threads)
+    model = kr.load(art, threads=args.threads, session_config=SESSION_CONFIG)
     anchor = build_anchor(args.anchor_python, ckpt, art.parent / "anchor", args.threads)
 
     print(f"machine: {cpu_name()}, {os.cpu_count()} cpus, threads {args.threads}, "
@@ -132,9 +137,13 @@ def main() -> int:
         for fn in systems.values():  # warm-up
             median_ms(fn, 3)
         times: dict[str, list[float]] = {name: [] for name in systems}
-        for _ in range(args.rounds):
-            for name, fn in systems.items():
-                times[name].append(median_ms(fn, args.runs))
+        order = list(systems)
+        for r in range(args.rounds):
+            # Rotate who goes first and let the previous system's threads go idle, so no system
+            # always runs right after (and against the spinning threads of) the same other one.
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                time.sleep(0.2)
+                times[name].append(median_ms(systems[name], args.runs))
         med = {name: statistics.median(t) for name, t in times.items()}
         e, k = med["eager"], med["kiln"]
         row = f"{batch:>5} {e:>9.2f}"

@@ -24,31 +24,33 @@ def _opset(model: onnx.ModelProto) -> int:
 class DecomposeNorm(Pass):
     name = "decompose-norm"
 
-    def __init__(self, ops: tuple[str, ...] = ("LayerNormalization", "RMSNormalization")) -> None:
+    def __init__(self, ops: tuple[str, ...] = ("LayerNormalization",)) -> None:
         self.ops = ops
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
         self._axes_input = _opset(model) >= 18
+        # LayerNorm through the RMSNorm kernel (standard from opset 23), unless RMSNorm itself is to be expanded
+        self._rms_op = _opset(model) >= 23 and "RMSNormalization" not in self.ops
         self._consts: dict[tuple[str, float], str] = {}  # one initializer per distinct constant
         stats = {"layernorm": 0, "rmsnorm": 0}
         skipped = []
-        for op in self.ops:
-            for handle in g.nodes_of(op):
-                node = g.node(handle)
-                where = node.name or handle
-                if attr(node, "axis", -1) != -1:
-                    skipped.append(Reason(where, f"normalises from axis {attr(node, 'axis')}, only the last axis is decomposed"))
-                    continue
-                if any(o for o in node.output[1:]):
-                    skipped.append(Reason(where, "mean/inv-std outputs are used (training graph)"))
-                    continue
-                if attr(node, "stash_type", 1) != 1:
-                    skipped.append(Reason(where, "stash_type is not FP32"))
-                    continue
-                new = self._expand(g, node, op == "RMSNormalization")
-                g.replace_nodes([node], new)
-                stats["rmsnorm" if op == "RMSNormalization" else "layernorm"] += 1
+        # Handles first: the LayerNorm rewrite emits RMSNormalization nodes that are not to be expanded again.
+        for op, handle in [(op, h) for op in self.ops for h in g.nodes_of(op)]:
+            node = g.node(handle)
+            where = node.name or handle
+            if attr(node, "axis", -1) != -1:
+                skipped.append(Reason(where, f"normalises from axis {attr(node, 'axis')}, only the last axis is decomposed"))
+                continue
+            if any(o for o in node.output[1:]):
+                skipped.append(Reason(where, "mean/inv-std outputs are used (training graph)"))
+                continue
+            if attr(node, "stash_type", 1) != 1:
+                skipped.append(Reason(where, "stash_type is not FP32"))
+                continue
+            new = self._expand(g, node, op == "RMSNormalization")
+            g.replace_nodes([node], new)
+            stats["rmsnorm" if op == "RMSNormalization" else "layernorm"] += 1
         return PassResult(g.model, any(stats.values()), stats, skipped)
 
     def _const(self, g: Graph, kind: str, value: np.ndarray) -> str:
@@ -57,7 +59,26 @@ class DecomposeNorm(Pass):
             self._consts[key] = g.add_initializer(f"norm_{kind}", value)
         return self._consts[key]
 
+    def _centred_rms(self, g: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """LayerNorm(x) = RMSNorm(x - mean(x)) + beta: ONNX Runtime's RMSNorm kernel is the fast one."""
+        x, scale = node.input[0], node.input[1]
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        axes = self._const(g, "axes", np.array([-1], dtype=np.int64))
+        t = {k: g.fresh(f"{node.name or 'norm'}_{k}") for k in ("mu", "d", "n")}
+        out = node.output[0]
+        nodes = [helper.make_node("ReduceMean", [x, axes], [t["mu"]], keepdims=1),
+                 helper.make_node("Sub", [x, t["mu"]], [t["d"]]),
+                 helper.make_node("RMSNormalization", [t["d"], scale], [t["n"] if bias else out], axis=-1,
+                                  epsilon=float(attr(node, "epsilon", 1e-5)))]
+        if bias:
+            nodes.append(helper.make_node("Add", [t["n"], bias], [out]))
+        for i, n in enumerate(nodes):
+            n.name = g.fresh(f"{node.name or 'norm'}_{i}")
+        return nodes
+
     def _expand(self, g: Graph, node: onnx.NodeProto, rms: bool) -> list[onnx.NodeProto]:
+        if not rms and self._rms_op:
+            return self._centred_rms(g, node)
         x, scale = node.input[0], node.input[1]
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         eps = self._const(g, "eps", np.array(attr(node, "epsilon", 1e-5), dtype=np.float32))

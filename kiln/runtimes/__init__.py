@@ -19,22 +19,24 @@ BACKENDS = ("onnxruntime",)
 __all__ = ["load", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "InputError", "KilnError"]
 
 
-def make_runtime(backend: str, threads: int | None = None, optimization: str = "all") -> Runtime:
+def make_runtime(backend: str, threads: int | None = None, optimization: str = "all",
+                 session_config: dict[str, str] | None = None) -> Runtime:
     if backend == "onnxruntime":
         from kiln.runtimes.onnxruntime import OnnxRuntime
 
-        return OnnxRuntime(threads=threads, optimization=optimization)
+        return OnnxRuntime(threads=threads, optimization=optimization, session_config=session_config)
     raise ArtifactError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def load(path: str | Path, backend: str = "onnxruntime", threads: int | None = None,
-         optimization: str = "all") -> Model:
+         optimization: str = "all", session_config: dict[str, str] | None = None) -> Model:
     """Open an artifact directory: check its manifest and file checksums, then start the backend.
 
     ``threads`` sets the backend's intra-op threads (default: the backend's own choice);
-    ``optimization`` is ONNX Runtime's graph optimisation level: disabled, basic or all.
+    ``optimization`` is ONNX Runtime's graph optimisation level: disabled, basic or all;
+    ``session_config`` passes ONNX Runtime session config entries through as they are.
     """
     manifest = read_manifest(path)
-    runtime = make_runtime(backend, threads=threads, optimization=optimization)
+    runtime = make_runtime(backend, threads=threads, optimization=optimization, session_config=session_config)
     runtime.load(manifest)
     return Model(manifest, runtime)

@@ -19,8 +19,9 @@ class OnnxRuntime(Runtime):
     name = "onnxruntime"
 
     def __init__(self, threads: int | None = None, providers: list[str] | None = None,
-                 optimization: str = "all") -> None:
+                 optimization: str = "all", session_config: dict[str, str] | None = None) -> None:
         self.threads = threads
+        self.session_config = dict(session_config or {})
         self.providers = providers or ["CPUExecutionProvider"]
         self.optimization = optimization
         self._session: ort.InferenceSession | None = None
@@ -37,6 +38,8 @@ class OnnxRuntime(Runtime):
             "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         }[self.optimization]
+        for key, value in self.session_config.items():  # e.g. session.intra_op.allow_spinning
+            opts.add_session_config_entry(key, value)
         path = manifest.graph_path(graph)
         try:
             self._session = ort.InferenceSession(str(path), opts, providers=self.providers)

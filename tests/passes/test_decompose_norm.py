@@ -25,11 +25,15 @@ def rms_graph(opset: int = 23) -> onnx.ModelProto:
     return model
 
 
-def test_layernorm_decomposes_with_same_numbers():
+@pytest.mark.parametrize("ops,via_rms", [(("LayerNormalization",), True),
+                                         (("LayerNormalization", "RMSNormalization"), False)])
+def test_layernorm_decomposes_with_same_numbers(ops, via_rms):
+    """Default: centre, then ORT's fast RMSNorm kernel; fully elementwise when RMSNorm is expanded too."""
     model = residual_graph()
-    out, record = run_passes(model, [DecomposeNorm()])
+    out, record = run_passes(model, [DecomposeNorm(ops)])
     assert record[0]["stats"] == {"layernorm": 1, "rmsnorm": 0}
     assert "LayerNormalization" not in op_types(out) and "Pow" not in op_types(out)
+    assert ("RMSNormalization" in op_types(out)) == via_rms
     f = feeds("x", "r")
     f.pop("attention_mask")
     np.testing.assert_allclose(run_unoptimised(out, f)[0], run_unoptimised(model, f)[0], atol=1e-4)
@@ -37,7 +41,7 @@ def test_layernorm_decomposes_with_same_numbers():
 
 def test_rmsnorm_decomposes_with_same_numbers():
     model = rms_graph()
-    out, record = run_passes(model, [DecomposeNorm()])
+    out, record = run_passes(model, [DecomposeNorm(("RMSNormalization",))])
     assert record[0]["stats"] == {"layernorm": 0, "rmsnorm": 1}
     x = {"x": np.random.default_rng(2).standard_normal((2, 5, 8)).astype(np.float32)}
     g = numpy_helper.to_array(model.graph.initializer[0])
@@ -55,9 +59,10 @@ def test_not_last_axis_is_left_alone():
     assert out.SerializeToString() == model.SerializeToString()
 
 
-@pytest.mark.parametrize("make", [residual_graph, rms_graph])
-def test_second_run_changes_nothing(make):
-    once, _ = run_passes(make(), [DecomposeNorm()])
-    twice, record = run_passes(once, [DecomposeNorm()])
+@pytest.mark.parametrize("make,ops", [(residual_graph, ("LayerNormalization",)), (rms_graph, ("RMSNormalization",)),
+                                     (residual_graph, ("LayerNormalization", "RMSNormalization"))])
+def test_second_run_changes_nothing(make, ops):
+    once, _ = run_passes(make(), [DecomposeNorm(ops)])
+    twice, record = run_passes(once, [DecomposeNorm(ops)])
     assert record[0]["modified"] is False
     assert twice.SerializeToString() == once.SerializeToString()
