@@ -54,18 +54,19 @@ def make_model(family: str, head: str):
                               max_position_embeddings=66, pad_token_id=0, bos_token_id=2, eos_token_id=3, **common)
     elif family == "distilbert":
         cfg = T.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64, **common)
-    # Decoders: head size 16, the smallest GroupQueryAttention accepts (a multiple of 16).
+    # Decoders: head size 16, the smallest GroupQueryAttention accepts (a multiple of 16); 128 positions
+    # so a 14-token prompt + 64 new tokens fits the cache.
     elif family == "gpt2":
-        cfg = T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common)
+        cfg = T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **common)
     elif family == "llama":
         cfg = T.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=128, max_position_embeddings=64, **common)
+                            intermediate_size=128, max_position_embeddings=128, **common)
     elif family == "qwen2":
         cfg = T.Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=128, max_position_embeddings=64, **common)
+                            intermediate_size=128, max_position_embeddings=128, **common)
     elif family == "mistral":
         cfg = T.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                              intermediate_size=128, max_position_embeddings=64, sliding_window=None, **common)
+                              intermediate_size=128, max_position_embeddings=128, sliding_window=None, **common)
     else:
         raise ValueError(family)
     if head in ("sequence-classification", "token-classification"):

@@ -19,19 +19,24 @@ from kiln.compiler.options import PRECISIONS, TARGETS, TASKS, CompileOptions
 from kiln.compiler.pipeline import ModelFacts, check_coverage, select_passes
 from kiln.compiler.trace import EagerRunner, export, io_specs
 from kiln.compiler.verify import failures, latency, verify
+from kiln.compiler.verify_generation import verify_generation
 from kiln.errors import ParityError, UsageError
 from kiln.passes import check_disabled, run_passes
-from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION
+from kiln.passes.kv_cache import PAST, PRESENT
+from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION, TensorSpec
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 GRAPH = "model.onnx"
+GENERATION_STEPS = 16
 
 
 def _check_options(options: CompileOptions) -> None:
     if options.precision not in PRECISIONS:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+    if options.max_length is not None and options.max_length < 2:
+        raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
     if options.target not in TARGETS:
         raise UsageError(f"target {options.target!r} is not supported; choose one of {', '.join(TARGETS)}")
     if options.task is not None and options.task not in TASKS:
@@ -81,6 +86,9 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     tok = case_lib.load_hf_tokenizer(ckpt.path)
     tokenizer_spec = copy_tokenizer(ckpt, tok, root)
     manifest = manifest_data(ckpt, facts, options, record, tokenizer_spec)
+    cache = next((p for p in record if p["name"] == "kv-cache" and p["stats"].get("layers")), None)
+    if cache is not None:
+        add_kv_cache(manifest, ckpt, facts, options)
     if target_info:
         manifest["target_info"] = target_info
     write_manifest(root, manifest)
@@ -94,6 +102,12 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     eager = EagerRunner(ckpt, options.threads)
     with kr.load(root, threads=options.threads) as artifact:
         report = verify(eager, artifact, cases, options.precision, say)
+        if report["passed"] and "kv_cache" in manifest and ckpt.task == "causal-lm":
+            say(f"verify generation: {GENERATION_STEPS} greedy steps through the KV cache vs Hugging Face generate")
+            gen = verify_generation(ckpt.model, artifact, case_lib.generation_prompts(ckpt, tok, options.seed),
+                                    GENERATION_STEPS, options.precision, manifest["generation"]["pad_token_id"])
+            report["generation"] = gen
+            report["passed"] = gen["passed"]
         if report["passed"]:
             say("measure latency (eager vs artifact)")
             feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
@@ -111,6 +125,9 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     (root / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     manifest["verification"] = {"status": "passed", "report": REPORT, "summary": report["summary"],
                                 "latency": report.get("latency")}
+    if "generation" in report:
+        manifest["verification"]["generation"] = {k: report["generation"][k] for k in
+                                                  ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}
     write_manifest(root, manifest)
 
 
@@ -150,6 +167,47 @@ def copy_tokenizer(ckpt: Checkpoint, tok: Any | None, root: Path) -> dict[str, A
         "eos_token_id": tok.eos_token_id,
         "bos_token_id": tok.bos_token_id,
     }
+
+
+def add_kv_cache(manifest: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions) -> None:
+    """The cache inputs/outputs, their layout and capacity, and what generation needs to stop."""
+    capacity = options.max_length or ckpt.max_length
+    if capacity > ckpt.max_length:
+        raise UsageError(f"--max-length {capacity} exceeds the model's maximum sequence length {ckpt.max_length}; "
+                         f"give at most {ckpt.max_length}")
+    names = {"past": [], "present": []}
+    for i in range(facts.num_layers):
+        for kind in ("key", "value"):
+            names["past"].append(PAST.format(i, kind))
+            names["present"].append(PRESENT.format(i, kind))
+    shape = ["batch", facts.num_kv_heads, "past_sequence", facts.head_size]
+    manifest["inputs"] = [dict(s, shape=["batch", "total_sequence"]) if s["name"] == "attention_mask" else s
+                          for s in manifest["inputs"]]
+    manifest["inputs"] += [TensorSpec(n, "float32", tuple(shape), True, "empty").to_json() for n in names["past"]]
+    manifest["outputs"] += [TensorSpec(n, "float32", tuple(shape[:2] + ["present_sequence"] + shape[3:])).to_json()
+                            for n in names["present"]]
+    manifest["dynamic_axes"]["total_sequence"] = {"min": 1, "max": capacity}
+    manifest["kv_cache"] = {
+        "layout": ["batch", "kv_heads", "sequence", "head_size"], "dtype": "float32",
+        "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_size": facts.head_size,
+        "past": names["past"], "present": names["present"], "capacity": capacity,
+        # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime
+        # may bind one buffer of `capacity` positions as both past and present and never copy the cache.
+        "shared_buffer": True,
+    }
+    manifest["generation"] = generation_defaults(ckpt)
+
+
+def generation_defaults(ckpt: Checkpoint) -> dict[str, Any]:
+    """Stop and pad ids from the generation config (else the model config), kept only if in the vocabulary."""
+    vocab = int(ckpt.config.vocab_size)
+    gen = getattr(ckpt.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = ckpt.config.eos_token_id if eos is None else eos
+    eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None and 0 <= int(e) < vocab]
+    pad = getattr(gen, "pad_token_id", None) if gen is not None else None
+    pad = pad if pad is not None and 0 <= int(pad) < vocab else (eos_ids[0] if eos_ids else 0)
+    return {"eos_token_ids": eos_ids, "pad_token_id": int(pad)}
 
 
 def manifest_data(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: list[dict[str, Any]],

@@ -104,3 +104,13 @@ def latency_feeds(ckpt: Checkpoint, input_names: list[str], shape: tuple[int, in
     batch, seq = shape[0], min(shape[1], ckpt.max_length)
     ids = np.random.default_rng(seed).integers(0, int(ckpt.config.vocab_size), size=(batch, seq), dtype=np.int64)
     return _feeds(ids, np.ones_like(ids), input_names)
+
+
+def generation_prompts(ckpt: Checkpoint, tok: Any | None, seed: int) -> list[list[int]]:
+    """Three prompts of different lengths: the sample texts, or random ids without a tokenizer."""
+    if tok is not None:
+        rows = [tok(t, add_special_tokens=True)["input_ids"][:24] for t in SAMPLE_TEXTS]
+        if all(rows):
+            return rows
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]

@@ -55,9 +55,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="ship a graph with fewer fusions than layers instead of failing")
     c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
                    help="longest random sequence in the parity check")
+    c.add_argument("--max-length", type=int, default=d.max_length,
+                   help="decoders: KV-cache capacity, prompt + new tokens (default: the model's maximum)")
     c.add_argument("--seed", type=int, default=d.seed)
     c.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    gen = sub.add_parser("generate", help="generate text with a causal-lm artifact, streaming to stdout")
+    gen.add_argument("artifact")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the artifact's tokenizer)")
+    src.add_argument("--ids", help="comma-separated prompt token ids; prints token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--stop-id", type=int, action="append", help="stop token id (repeatable; default: the model's eos)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--threads", type=int, default=None)
 
     r = sub.add_parser("run", help="run an artifact once on text or token ids")
     r.add_argument("artifact")
@@ -79,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"compile": cmd_compile, "run": cmd_run}[args.command](args)
+        return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate}[args.command](args)
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -94,7 +111,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     opts = CompileOptions(
         task=args.task, precision=args.precision, target=args.target, opset=args.opset, verify=args.verify, force=args.force,
-        threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed,
+        threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed, max_length=args.max_length,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
@@ -125,6 +142,35 @@ def parity_table(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise UsageError(f"{flag} {text!r} is not a comma-separated list of integers") from e
+    if not ids:
+        raise UsageError(f"{flag} is empty; give at least one token id")
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import kiln.runtimes as kr
+
+    model = kr.load(args.artifact, threads=args.threads)
+    sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                    stop_token_ids=args.stop_id, seed=args.seed)
+    if args.ids:
+        ids = _parse_ids(args.ids, "--ids")
+        out = model.generate([ids], **sampling)
+        print(",".join(str(int(t)) for t in out[0, len(ids):]))
+        return 0
+    for chunk in model.stream(args.prompt, **sampling):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import kiln.runtimes as kr
 
@@ -132,13 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.text:
         feeds = model.encode(args.text, truncate=args.truncate)
     else:
-        try:
-            ids = [int(x) for x in args.ids.split(",") if x.strip()]
-        except ValueError as e:
-            raise UsageError(f"--ids {args.ids!r} is not a comma-separated list of integers") from e
-        if not ids:
-            raise UsageError("--ids is empty; give at least one token id")
-        feeds = {"input_ids": np.asarray([ids], dtype=np.int64)}
+        feeds = {"input_ids": np.asarray([_parse_ids(args.ids, "--ids")], dtype=np.int64)}
     outputs = model.run(feeds)
     summary = summarize(model, feeds, outputs, args.top)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))

@@ -31,6 +31,8 @@ class CompileOptions:
     latency_budget_s: float = 4.0
     """Seconds spent timing eager and artifact together (alternating rounds)."""
     seed: int = 0
+    max_length: int | None = None
+    """Decoders: KV-cache capacity (prompt + new tokens) the runtime allocates; None: the model's maximum."""
     disabled_passes: tuple[str, ...] = ()
     allow_partial_fusion: bool = False
     """Ship a graph with fewer attention fusions than layers (recorded) instead of failing."""

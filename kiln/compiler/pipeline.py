@@ -22,6 +22,7 @@ from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
+from kiln.passes.kv_cache import AddKVCache
 from kiln.passes.pin_norms import PinNormsFP32
 
 
@@ -74,6 +75,7 @@ PIPELINES: dict[tuple[str, str, str], list[PassFactory]] = {
     ("cpu", "decoder", "fp32"): [
         *CLEANUP,
         lambda f: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows),
+        lambda f: AddKVCache(f.num_kv_heads, f.head_size),
         lambda f: FuseBiasGelu(),
         lambda f: FuseSkipLayerNorm(norms=("RMSNormalization",)),
         lambda f: DecomposeNorm(ops=("LayerNormalization",)),
@@ -86,6 +88,7 @@ COVERAGE: dict[str, tuple[str, int]] = {
     "fuse-attention": ("fused", 1),
     "fuse-gqa": ("fused", 1),
     "canonicalize-attention": ("canonical", 1),
+    "kv-cache": ("layers", 1),
 }
 
 

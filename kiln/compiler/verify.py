@@ -128,6 +128,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def failures(report: dict[str, Any]) -> list[str]:
     """One short phrase per failing (case, output), for the error message."""
     out = []
+    gen = report.get("generation")
+    if gen and not gen["passed"] and "error" in gen:
+        out.append(f"greedy generation through the KV cache failed to run: {gen['error']}")
+    elif gen and not gen["passed"]:
+        out.append(f"greedy generation: {len(gen['wrong_tokens'])} wrong decisive token(s) (first {gen['wrong_tokens'][:1]}), "
+                   f"step logits at {gen['max_abs_over_atol']:.3g}x the tolerance, tokens identical {gen['tokens_identical']}")
     for r in report["cases"]:
         for name, o in r["outputs"].items():
             if o["passed"]:

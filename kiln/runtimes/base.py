@@ -17,10 +17,36 @@ from kiln.runtimes.artifact import Manifest, TensorSpec
 _KINDS = {"int64": "i", "int32": "i", "float32": "f", "float16": "f", "bool": "b"}
 
 
+class CacheRunner:
+    """Runs a decoder graph step by step, keeping its KV cache between steps.
+
+    This default keeps the cache as arrays: each step feeds the past and takes the present back
+    (the cache grows by copying). Backends override ``Runtime.cache_runner`` with an in-place one."""
+
+    def __init__(self, runtime: "Runtime", kv: dict, batch: int) -> None:
+        self.runtime = runtime
+        shape = (batch, kv["num_kv_heads"], 0, kv["head_size"])
+        self.past = {name: np.zeros(shape, np.float32) for name in kv["past"]}
+        self.present = dict(zip(kv["present"], kv["past"]))
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Feed the new tokens (batch, new) and the mask over past + new; return logits (batch, new, vocab)."""
+        out = self.runtime.run({"input_ids": input_ids, "attention_mask": attention_mask, **self.past})
+        self.past = {past: out[present] for present, past in self.present.items()}
+        return out["logits"]
+
+    def close(self) -> None:
+        self.past = {}
+
+
 class Runtime(abc.ABC):
     """A backend that runs one artifact graph: ``load``, then ``run`` any number of times, then ``close``."""
 
     name: str = ""
+
+    def cache_runner(self, kv: dict, batch: int) -> CacheRunner:
+        """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``)."""
+        return CacheRunner(self, kv, batch)
 
     @abc.abstractmethod
     def load(self, manifest: Manifest, graph: str = "model") -> None: ...
@@ -66,7 +92,12 @@ def prepare_feeds(specs: list[TensorSpec], feeds: Mapping[str, object], max_sequ
     axes = _bind_axes(specs, arrays, max_sequence_length)
     for spec in specs:
         if spec.name not in arrays:
-            shape = tuple(axes[d] if isinstance(d, str) else d for d in spec.shape)
+            # "empty": a cache input left out has no past positions; its other axes come from the feeds
+            # (a mask left out covers exactly the new tokens).
+            shape = tuple((axes.get(d, axes.get("sequence", 0)) if d == "total_sequence" else
+                           axes.get(d, 0)) if isinstance(d, str) else d for d in spec.shape)
+            if spec.default == "empty":
+                shape = tuple(0 if d == "past_sequence" else n for d, n in zip(spec.shape, shape))
             fill = np.ones if spec.default == "ones" else np.zeros
             arrays[spec.name] = fill(shape, dtype=spec.dtype)
     return arrays
@@ -92,10 +123,11 @@ def _bind_axes(specs: list[TensorSpec], arrays: dict[str, np.ndarray], max_len: 
                     f"all inputs must agree on the {dim} axis"
                 )
             axes.setdefault(dim, (size, spec.name))
-    seq = axes.get("sequence")
-    if seq is not None and seq[0] > max_len:
-        raise InputError(
-            f"input {seq[1]} has sequence length {seq[0]}, longer than the model's maximum {max_len}; "
-            f"truncate the input to {max_len} tokens"
-        )
+    for name in ("sequence", "total_sequence"):
+        seq = axes.get(name)
+        if seq is not None and seq[0] > max_len:
+            raise InputError(
+                f"input {seq[1]} has sequence length {seq[0]}, longer than the model's maximum {max_len}; "
+                f"truncate the input to {max_len} tokens"
+            )
     return {k: v[0] for k, v in axes.items()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -10,6 +10,8 @@ import numpy as np
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import Runtime, prepare_feeds
+from kiln.runtimes.generation import Prompt, as_prompt, steps, stream_text
+from kiln.runtimes.sampling import Sampling
 from kiln.runtimes.tokenizer import TextEncoder
 
 
@@ -55,6 +57,49 @@ class Model:
                 )
             self._encoder = TextEncoder(self.manifest.root, spec)
         return self._encoder
+
+    # --- generation (causal-lm artifacts compiled with a KV cache) ---------------------------------
+    def _generation(self, stop_token_ids: Sequence[int] | None, pad_token_id: int | None, **sampling: Any) -> tuple[Sampling, list[int], int]:
+        gen = self.manifest.data.get("generation") or {}
+        stop = list(gen.get("eos_token_ids", [])) if stop_token_ids is None else list(stop_token_ids)
+        pad = pad_token_id if pad_token_id is not None else int(gen.get("pad_token_id", 0))
+        return Sampling(**sampling), stop, pad
+
+    def generate(self, input_ids: Any, attention_mask: Any | None = None, max_new_tokens: int = 32,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, stop_token_ids: Sequence[int] | None = None,
+                 pad_token_id: int | None = None, seed: int | None = None) -> np.ndarray:
+        """Token ids (batch, prompt + new). ``input_ids``: a left-padded (batch, prompt) array with its
+        ``attention_mask``, or a list of token lists of any lengths (left-padded here). Stops at
+        ``max_new_tokens`` or when every row produced a stop token (default: the model's eos ids)."""
+        sampling, stop, pad = self._generation(stop_token_ids, pad_token_id, do_sample=do_sample,
+                                               temperature=temperature, top_k=top_k, top_p=top_p,
+                                               repetition_penalty=repetition_penalty)
+        prompt = as_prompt(input_ids, attention_mask, pad)
+        seqs = prompt.ids
+        for seqs in steps(self.runtime, self.manifest.data, prompt, max_new_tokens, sampling, stop, pad, seed):
+            pass
+        return seqs
+
+    def stream(self, prompt: str, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
+               top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+               stop_token_ids: Sequence[int] | None = None, seed: int | None = None) -> Iterator[str]:
+        """Generate from one text prompt, yielding text as it is produced (partial characters held back)."""
+        sampling, stop, pad = self._generation(stop_token_ids, None, do_sample=do_sample,
+                                               temperature=temperature, top_k=top_k, top_p=top_p,
+                                               repetition_penalty=repetition_penalty)
+        feeds = self.encode([prompt])
+        start = feeds["input_ids"].shape[1]
+        emitted, text = 0, ""
+        for seqs in steps(self.runtime, self.manifest.data, Prompt(feeds["input_ids"], feeds["attention_mask"]),
+                          max_new_tokens, sampling, stop, pad, seed):
+            new = [int(t) for t in seqs[0, start:] if int(t) not in stop]
+            text, ready = stream_text(self.text_encoder.decode, new)
+            if ready > emitted:
+                yield text[emitted:ready]
+                emitted = ready
+        if emitted < len(text):  # a trailing partial character at the very end
+            yield text[emitted:]
 
     def close(self) -> None:
         self.runtime.close()

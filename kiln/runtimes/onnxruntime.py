@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
-from kiln.runtimes.base import Runtime
+from kiln.runtimes.base import CacheRunner, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,56 @@ class OnnxRuntime(Runtime):
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is None:
             raise RuntimeError("OnnxRuntime.run called before load() or after close()")
-        values = self._session.run(self._output_names, {k: v for k, v in feeds.items() if k in self._input_names})
+        try:
+            values = self._session.run(self._output_names, {k: v for k, v in feeds.items() if k in self._input_names})
+        except Exception as e:  # feeds were validated: a failure here is the graph's
+            raise _failure(e) from e
         return dict(zip(self._output_names, values))
 
     def close(self) -> None:
         self._session = None
+
+    def cache_runner(self, kv: dict, batch: int) -> CacheRunner:
+        if self._session is None:
+            raise RuntimeError("OnnxRuntime.cache_runner called before load() or after close()")
+        return SharedBufferCache(self._session, kv, batch)
+
+
+class SharedBufferCache(CacheRunner):
+    """One zeroed (batch, kv heads, capacity, head size) buffer per layer and key/value, bound through
+    IO binding as both the past input and the present output: GroupQueryAttention appends in place,
+    so a step allocates and copies no cache. Only the token ids, the mask and the logits move."""
+
+    def __init__(self, session: ort.InferenceSession, kv: dict, batch: int) -> None:
+        self.session = session
+        shape = (batch, kv["num_kv_heads"], kv["capacity"], kv["head_size"])
+        self.buffers = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for name in kv["past"]}
+        self.binding = session.io_binding()
+        for past, present in zip(kv["past"], kv["present"]):
+            self.binding.bind_ortvalue_input(past, self.buffers[past])
+            self.binding.bind_ortvalue_output(present, self.buffers[past])
+        self._keep: list[np.ndarray] = []
+        self.vocab = int(next(o.shape[-1] for o in session.get_outputs() if o.name == "logits"))
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        logits = np.empty((*ids.shape, self.vocab), np.float32)
+        self._keep = [ids, mask]  # bound by pointer: must outlive the run
+        self.binding.bind_cpu_input("input_ids", ids)
+        self.binding.bind_cpu_input("attention_mask", mask)
+        self.binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        try:
+            self.session.run_with_iobinding(self.binding)
+        except Exception as e:
+            raise _failure(e) from e
+        return logits
+
+    def close(self) -> None:
+        self.buffers = {}
+
+
+def _failure(e: Exception) -> ArtifactError:
+    detail = " ".join(str(e).split())[:300]
+    return ArtifactError(f"ONNX Runtime failed running the artifact's graph ({detail}); the artifact is broken: "
+                         "recompile it, and report it if it persists")

@@ -52,13 +52,20 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
         graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
         ops = [n.op_type for n in graph.graph.node]
         assert ops.count("GroupQueryAttention") == 2 and "Attention" not in ops and "RotaryEmbedding" not in ops
+        assert passes["kv-cache"]["coverage"] == {"expected": 2, "fused": 2}
+        kv = manifest["kv_cache"]
+        assert kv["past"][:2] == ["past_key_values.0.key", "past_key_values.0.value"] and kv["capacity"] == 128
+        assert kv["layout"] == ["batch", "kv_heads", "sequence", "head_size"] and kv["num_layers"] == 2
+        assert [o["name"] for o in manifest["outputs"]][1:3] == ["present.0.key", "present.0.value"]
+        gen = manifest["verification"]["generation"]
+        assert gen["tokens_identical"] and gen["steps"] == 16 and gen["batch"] == 3 and gen["max_abs_over_atol"] <= 1
         if family == "gpt2":  # LayerNorm: decomposed (ORT's CPU kernel is slow); gelu_new written out -> FastGelu
             assert passes["decompose-norm"]["stats"]["layernorm"] == 5
             assert passes["fuse-bias-gelu"]["stats"]["tanh_chain"] == 2 and ops.count("FastGelu") == 2
         else:  # RMSNorm: residual ones fused with their Add; the first has no residual
             assert passes["fuse-skip-layernorm"]["stats"]["fused"] == 4
             assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 1
-    assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64}
+    assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64 if KINDS.get(family) else 128}
     assert manifest["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
     assert manifest["verification"]["status"] == "passed"
     assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["tool_versions"])
@@ -70,7 +77,7 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
     sources = {c["source"] for c in report["cases"]}
     assert sources == {"text", "random"}
     assert any(c["shape"][0] > 1 for c in report["cases"] if c["source"] == "random")
-    assert max(c["shape"][1] for c in report["cases"]) == 64  # the longest supported length
+    assert max(c["shape"][1] for c in report["cases"]) == (64 if KINDS.get(family) else 128)  # the longest text or random case
     assert report["latency"]["eager_ms"] > 0 and report["latency"]["artifact_ms"] > 0
     if head != "base":
         assert "logits" in report["summary"]

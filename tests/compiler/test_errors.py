@@ -218,3 +218,14 @@ def test_unfusable_head_size_fails_coverage_with_reason(capsys, tmp_path):
     assert rc == 0
     entry = next(p for p in json.loads((tmp_path / "ok" / "manifest.json").read_text())["passes"] if p["name"] == "fuse-gqa")
     assert entry["coverage"] == {"expected": 2, "fused": 0}
+
+
+def test_broken_cache_path_fails_generation_check(capsys, tmp_path, monkeypatch):
+    """Prefill parity cannot see a cache bug; the greedy-generation check must. Planted: GPT-2's learned
+    positions are not cut to the new tokens, so every decode step embeds the wrong position."""
+    from kiln.passes.kv_cache import AddKVCache
+
+    monkeypatch.setattr(AddKVCache, "_slice_positions", lambda self, g: 0)
+    ckpt = save_checkpoint(tmp_path / "gpt2", "gpt2", "causal-lm")
+    assert_fails(capsys, tmp_path, [str(ckpt), "--verify-max-length", "32"], 1, "parity check failed",
+                 "greedy generation", "no artifact written")

@@ -39,10 +39,13 @@ def test_runtime_runs_with_torch_absent(artifacts):
         m = kr.load({str(artifacts['llama'])!r})
         out = m.run(m.encode(["def f(x):", "import os"]))
         assert out["logits"].shape[0] == 2
+        assert m.generate([[5, 6, 7], [8]], max_new_tokens=4).shape == (2, 7)
+        assert "".join(m.stream("import os", max_new_tokens=4, stop_token_ids=[]))
         m = kr.load({str(artifacts['bert'])!r})
         out = m.run(m.encode("The cat sat on the mat."))
         from kiln.compiler.cli import main  # the CLI's run path stays torch-free too
         assert main(["run", {str(artifacts['bert'])!r}, "--text", "hello", "--json"]) == 0
+        assert main(["generate", {str(artifacts['llama'])!r}, "--prompt", "import", "--max-new-tokens", "3"]) == 0
         assert not any(k.split(".")[0] in ("torch", "transformers") for k in sys.modules), sorted(sys.modules)
         print("TORCH-FREE OK")
     """)
