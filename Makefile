@@ -36,6 +36,7 @@ anchor-venv: $(ANCHOR_VENV)/.installed
 
 bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/bench_encoder.py
+	$(PY) tools/bench_decoder.py
 
 clean:
 	rm -rf demo-out .pytest_cache
