@@ -67,6 +67,13 @@ def make_model(family: str, head: str):
     elif family == "mistral":
         cfg = T.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                               intermediate_size=128, max_position_embeddings=128, sliding_window=None, **common)
+    elif family == "t5":
+        cfg = T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, n_positions=128, **common)
+    elif family == "bart":
+        cfg = T.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
+                           pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **common)
     else:
         raise ValueError(family)
     if head in ("sequence-classification", "token-classification"):
@@ -74,8 +81,9 @@ def make_model(family: str, head: str):
         cfg.id2label = {0: "neg", 1: "neutral", 2: "pos"}
         cfg.label2id = {v: k for k, v in cfg.id2label.items()}
     auto = {"base": T.AutoModel, "sequence-classification": T.AutoModelForSequenceClassification,
-            "token-classification": T.AutoModelForTokenClassification, "causal-lm": T.AutoModelForCausalLM}[head]
-    model = auto.from_config(cfg)
+            "token-classification": T.AutoModelForTokenClassification, "causal-lm": T.AutoModelForCausalLM,
+            "text2text": T.AutoModelForSeq2SeqLM}[head]
+    model = auto.from_config(cfg, **({"attn_implementation": "eager"} if family == "t5" else {}))
     # Random-init heads and norms are near-trivial; perturb them so parity checks see real values.
     with torch.no_grad():
         for p in model.parameters():
@@ -87,7 +95,7 @@ def save_checkpoint(path: Path, family: str, head: str, tokenizer: bool = True) 
     model = make_model(family, head)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
-        kind = "encoder" if family in ("bert", "roberta", "distilbert") else "decoder"
+        kind = "encoder" if family in ("bert", "roberta", "distilbert", "t5", "bart") else "decoder"
         make_tokenizer(kind).save_pretrained(path)
     return path
 
@@ -115,6 +123,17 @@ def fast_options(**kw):
     base = dict(threads=2, latency_budget_s=0.3, verify_max_length=64)
     base.update(kw)
     return CompileOptions(**base)
+
+
+SEQ2SEQ = [("t5", "text2text"), ("bart", "text2text")]
+
+
+@pytest.fixture(scope="session")
+def seq2seq_artifacts(tmp_path_factory) -> dict[str, Path]:
+    from kiln.compiler import compile
+
+    root = tmp_path_factory.mktemp("s2s")
+    return {f: compile(save_checkpoint(root / f"{f}-ckpt", f, h), root / f, fast_options()) for f, h in SEQ2SEQ}
 
 
 @pytest.fixture(scope="session")

@@ -60,6 +60,11 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
 
 
 def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) -> None:
+    if ckpt.kind == "seq2seq":
+        from kiln.compiler.build_seq2seq import build_seq2seq
+
+        build_seq2seq(ckpt, root, options, say, manifest_data, copy_tokenizer, generation_defaults)
+        return
     say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
     graph_files = export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
     facts = model_facts(ckpt)

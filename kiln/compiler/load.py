@@ -23,6 +23,7 @@ class Family:
     token_type_ids: bool = False
     position_offset: int = 0  # positions the embedding table reserves (roberta: padding_idx + 1)
     max_length_key: str = "max_position_embeddings"
+    attention: str = "sdpa"  # attn_implementation to load with (T5's sdpa path does not export)
 
 
 FAMILIES: dict[str, Family] = {
@@ -33,11 +34,14 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("decoder"),
     "qwen2": Family("decoder"),
     "mistral": Family("decoder"),
+    "t5": Family("seq2seq", max_length_key="n_positions", attention="eager"),
+    "bart": Family("seq2seq"),
 }
 
 TASKS_BY_KIND = {
     "encoder": ("feature-extraction", "sequence-classification", "token-classification"),
     "decoder": ("feature-extraction", "causal-lm"),
+    "seq2seq": ("text2text-generation",),
 }
 
 TOKENIZER_FILES = (
@@ -74,6 +78,8 @@ def task_for_architecture(arch: str) -> str | None:
         return "token-classification"
     if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
         return "causal-lm"
+    if arch.endswith("ForConditionalGeneration"):
+        return "text2text-generation"
     if arch.endswith("Model"):
         return "feature-extraction"
     return None
@@ -248,11 +254,12 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
         "sequence-classification": transformers.AutoModelForSequenceClassification,
         "token-classification": transformers.AutoModelForTokenClassification,
         "causal-lm": transformers.AutoModelForCausalLM,
+        "text2text-generation": transformers.AutoModelForSeq2SeqLM,
     }[task]
     try:
         model, info = auto.from_pretrained(
             str(path), local_files_only=True, trust_remote_code=False, dtype=torch.float32,
-            attn_implementation="sdpa", output_loading_info=True,
+            attn_implementation=family.attention, output_loading_info=True,
         )
     except Exception as e:  # transformers raises many types for one bad checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm")
+TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm", "text2text-generation")
 PRECISIONS = ("fp32",)
 TARGETS = ("cpu", "tensorrt")
 """cpu: ONNX Runtime's contrib-op graph; tensorrt: standard-op graph for TensorRT's parser (also runs on ONNX Runtime)."""

@@ -37,6 +37,8 @@ def load(path: str | Path, backend: str = "onnxruntime", threads: int | None = N
     ``session_config`` passes ONNX Runtime session config entries through as they are.
     """
     manifest = read_manifest(path)
-    runtime = make_runtime(backend, threads=threads, optimization=optimization, session_config=session_config)
-    runtime.load(manifest)
-    return Model(manifest, runtime)
+    runtimes = {}
+    for graph in manifest.data["graphs"]:  # "model"; or "encoder" and "decoder"
+        runtimes[graph] = make_runtime(backend, threads=threads, optimization=optimization, session_config=session_config)
+        runtimes[graph].load(manifest, graph)
+    return Model(manifest, runtimes)

@@ -39,6 +39,26 @@ class CacheRunner:
         self.past = {}
 
 
+class Seq2SeqRunner:
+    """Steps an encoder-decoder's decoder: the cross keys/values (computed once by the encoder) are fed
+    unchanged every step, the self-attention cache grows. Backends may override with an IO-bound one."""
+
+    def __init__(self, runtime: "Runtime", kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> None:
+        self.runtime = runtime
+        batch = mask.shape[0]
+        self.fixed = {"encoder_attention_mask": mask, **{n: cross[n] for n in kv["cross"]}}
+        self.past = {n: np.zeros((batch, kv["num_kv_heads"], 0, kv["head_size"]), np.float32) for n in kv["past"]}
+        self.present = dict(zip(kv["present"], kv["past"]))
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        out = self.runtime.run({"decoder_input_ids": tokens, **self.fixed, **self.past})
+        self.past = {past: out[present] for present, past in self.present.items()}
+        return out["logits"]
+
+    def close(self) -> None:
+        self.past = {}
+
+
 class Runtime(abc.ABC):
     """A backend that runs one artifact graph: ``load``, then ``run`` any number of times, then ``close``."""
 
@@ -47,6 +67,10 @@ class Runtime(abc.ABC):
     def cache_runner(self, kv: dict, batch: int) -> CacheRunner:
         """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``)."""
         return CacheRunner(self, kv, batch)
+
+    def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
+        """A step runner for an encoder-decoder's decoder graph given the encoder's cross keys/values."""
+        return Seq2SeqRunner(self, kv, cross, mask)
 
     @abc.abstractmethod
     def load(self, manifest: Manifest, graph: str = "model") -> None: ...

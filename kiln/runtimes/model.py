@@ -7,20 +7,22 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import ArtifactError
+from kiln.errors import ArtifactError, InputError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import Runtime, prepare_feeds
-from kiln.runtimes.generation import Prompt, as_prompt, steps, stream_text
-from kiln.runtimes.sampling import Sampling
+from kiln.runtimes.generation import as_prompt, check_capacity, steps, stream_text
+from kiln.runtimes.sampling import Sampling, choose
 from kiln.runtimes.tokenizer import TextEncoder
 
 
 class Model:
     """Runs an artifact on numpy feeds; ``encode`` turns text into feeds when it ships a tokenizer."""
 
-    def __init__(self, manifest: Manifest, runtime: Runtime) -> None:
+    def __init__(self, manifest: Manifest, runtimes: Runtime | dict[str, Runtime]) -> None:
         self.manifest = manifest
-        self.runtime = runtime
+        self.runtimes = runtimes if isinstance(runtimes, dict) else {"model": runtimes}
+        # single-graph artifacts: the graph; encoder-decoders: the encoder (run() runs it alone)
+        self.runtime = self.runtimes.get("model") or self.runtimes["encoder"]
         self._encoder: TextEncoder | None = None
 
     @property
@@ -75,11 +77,59 @@ class Model:
         sampling, stop, pad = self._generation(stop_token_ids, pad_token_id, do_sample=do_sample,
                                                temperature=temperature, top_k=top_k, top_p=top_p,
                                                repetition_penalty=repetition_penalty)
-        prompt = as_prompt(input_ids, attention_mask, pad)
-        seqs = prompt.ids
-        for seqs in steps(self.runtime, self.manifest.data, prompt, max_new_tokens, sampling, stop, pad, seed):
+        seqs = None
+        for seqs in self._steps(input_ids, attention_mask, max_new_tokens, sampling, stop, pad, seed):
             pass
         return seqs
+
+    def _steps(self, input_ids: Any, attention_mask: Any | None, max_new_tokens: int, sampling: Sampling,
+               stop: list[int], pad: int, seed: int | None) -> Iterator[np.ndarray]:
+        if "decoder" in self.runtimes:
+            return self._seq2seq_steps(input_ids, attention_mask, max_new_tokens, sampling, stop, pad, seed)
+        prompt = as_prompt(input_ids, attention_mask, pad)
+        return steps(self.runtime, self.manifest.data, prompt, max_new_tokens, sampling, stop, pad, seed)
+
+    def seq2seq_runner(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:
+        """Encoder-decoders: run the encoder once; the runner steps the decoder over its cache."""
+        cross = self.runtimes["encoder"].run(prepare_feeds(self.manifest.inputs, {"input_ids": input_ids,
+                                             "attention_mask": attention_mask}, self.max_sequence_length))
+        return self.runtimes["decoder"].seq2seq_runner(self.manifest.data["kv_cache"], cross, attention_mask)
+
+    def _seq2seq_steps(self, input_ids: Any, attention_mask: Any | None, max_new_tokens: int, sampling: Sampling,
+                       stop: list[int], pad: int, seed: int | None) -> Iterator[np.ndarray]:
+        """Token ids (batch, 1 + new) after each step, starting with the decoder start token as Hugging Face's do."""
+        if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, np.ndarray)):
+            width = max(len(r) for r in input_ids)
+            if not width or not all(len(r) for r in input_ids):
+                raise InputError("every source text needs at least one token; drop empty ones")
+            ids = np.full((len(input_ids), width), pad, np.int64)
+            attention_mask = np.zeros_like(ids)
+            for i, r in enumerate(input_ids):
+                ids[i, :len(r)], attention_mask[i, :len(r)] = r, 1
+        else:
+            ids = np.asarray(input_ids, dtype=np.int64)
+            ids = ids[None] if ids.ndim == 1 else ids
+            attention_mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens {max_new_tokens} must be at least 1")
+        sampling.check()
+        check_capacity(self.manifest.data["kv_cache"], 1, max_new_tokens, self.max_sequence_length)
+        rng = np.random.default_rng(seed)
+        start = int(self.manifest.data["generation"]["decoder_start_token_id"])
+        seqs = np.full((ids.shape[0], 1), start, np.int64)
+        finished = np.zeros(ids.shape[0], dtype=bool)
+        runner = self.seq2seq_runner(ids, attention_mask)
+        try:
+            for _ in range(max_new_tokens):
+                logits = runner.step(seqs[:, -1:])[:, -1]
+                nxt = np.where(finished, pad, choose(logits, seqs, sampling, rng))
+                seqs = np.concatenate([seqs, nxt[:, None]], 1)
+                finished |= np.isin(nxt, stop)
+                yield seqs
+                if finished.all():
+                    break
+        finally:
+            runner.close()
 
     def stream(self, prompt: str, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
@@ -89,10 +139,9 @@ class Model:
                                                temperature=temperature, top_k=top_k, top_p=top_p,
                                                repetition_penalty=repetition_penalty)
         feeds = self.encode([prompt])
-        start = feeds["input_ids"].shape[1]
+        start = 1 if "decoder" in self.runtimes else feeds["input_ids"].shape[1]
         emitted, text = 0, ""
-        for seqs in steps(self.runtime, self.manifest.data, Prompt(feeds["input_ids"], feeds["attention_mask"]),
-                          max_new_tokens, sampling, stop, pad, seed):
+        for seqs in self._steps(feeds["input_ids"], feeds["attention_mask"], max_new_tokens, sampling, stop, pad, seed):
             new = [int(t) for t in seqs[0, start:] if int(t) not in stop]
             text, ready = stream_text(self.text_encoder.decode, new)
             if ready > emitted:
@@ -102,7 +151,8 @@ class Model:
             yield text[emitted:]
 
     def close(self) -> None:
-        self.runtime.close()
+        for runtime in self.runtimes.values():
+            runtime.close()
 
     def __enter__(self) -> "Model":
         return self

@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
-from kiln.runtimes.base import CacheRunner, Runtime
+from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,46 @@ class OnnxRuntime(Runtime):
         if self._session is None:
             raise RuntimeError("OnnxRuntime.cache_runner called before load() or after close()")
         return SharedBufferCache(self._session, kv, batch)
+
+    def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
+        if self._session is None:
+            raise RuntimeError("OnnxRuntime.seq2seq_runner called before load() or after close()")
+        return BoundSeq2SeqCache(self._session, kv, cross, mask)
+
+
+class BoundSeq2SeqCache(Seq2SeqRunner):
+    """Cross keys/values and the encoder mask are bound once as OrtValues over the encoder's output
+    memory: never recomputed, never copied per step. The self-attention cache is ORT's own output of
+    one step, bound as the next step's input without passing through numpy."""
+
+    def __init__(self, session: ort.InferenceSession, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        mask = np.ascontiguousarray(mask, dtype=np.int64)
+        self.fixed = {"encoder_attention_mask": ort.OrtValue.ortvalue_from_numpy(mask),
+                      **{n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(cross[n])) for n in kv["cross"]}}
+        for name, value in self.fixed.items():
+            self.binding.bind_ortvalue_input(name, value)
+        empty = np.zeros((mask.shape[0], kv["num_kv_heads"], 0, kv["head_size"]), np.float32)
+        self.past = {n: ort.OrtValue.ortvalue_from_numpy(empty) for n in kv["past"]}
+        self.pairs = list(zip(kv["past"], kv["present"]))
+        self.outputs = ["logits"] + [present for _, present in self.pairs]
+        self._keep: np.ndarray | None = None
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        self._keep = np.ascontiguousarray(tokens, dtype=np.int64)
+        self.binding.bind_cpu_input("decoder_input_ids", self._keep)
+        for past, _ in self.pairs:
+            self.binding.bind_ortvalue_input(past, self.past[past])
+        for name in self.outputs:
+            self.binding.bind_output(name)
+        try:
+            self.session.run_with_iobinding(self.binding)
+        except Exception as e:
+            raise _failure(e) from e
+        values = self.binding.get_outputs()
+        self.past = {past: values[1 + i] for i, (past, _) in enumerate(self.pairs)}
+        return values[0].numpy()
 
 
 class SharedBufferCache(CacheRunner):

@@ -1,0 +1,203 @@
+"""Encoder-decoder checkpoints (T5, BART) -> an encoder graph and a cached decoder graph.
+
+- ``encoder.onnx``: (input_ids, attention_mask) -> every decoder layer's cross-attention keys and
+  values, ``cross.{i}.key/value`` (batch, heads, source length, head size). They are obtained
+  generically: one decoder step over the start token fills Hugging Face's cross-attention cache,
+  whatever the family computes in between. A request runs this graph once.
+- ``decoder.onnx``: (decoder_input_ids, encoder_attention_mask, past self-attention keys/values,
+  cross keys/values) -> logits and the present self-attention keys/values. The wrapper rebuilds
+  Hugging Face's ``EncoderDecoderCache`` from the inputs, so the decoder is the model's own code.
+
+Verification is greedy decoding through both graphs against Hugging Face ``generate``: per-step
+logits (teacher-forced with the reference tokens) within the FP32 tolerance, then the artifact's
+own tokens identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.compiler.load import Checkpoint
+from kiln.compiler.verify import TOLERANCES
+from kiln.errors import ExportError, KilnError
+from kiln.runtimes.artifact import TensorSpec
+
+ENCODER, DECODER = "encoder.onnx", "decoder.onnx"
+
+
+def shapes(ckpt: Checkpoint) -> dict[str, int]:
+    cfg = ckpt.config
+    layers = int(getattr(cfg, "num_decoder_layers", None) or getattr(cfg, "decoder_layers", None) or cfg.num_layers)
+    heads = int(getattr(cfg, "decoder_attention_heads", None) or cfg.num_heads)
+    hidden = int(cfg.d_model)
+    head_size = int(getattr(cfg, "d_kv", None) or hidden // heads)
+    return {"layers": layers, "heads": heads, "head_size": head_size, "hidden": hidden}
+
+
+def _cache(layers: int, kv: tuple[torch.Tensor, ...] = ()):
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    self_c, cross_c = DynamicCache(), DynamicCache()
+    for i in range(len(kv) // 4):
+        self_c.update(kv[4 * i], kv[4 * i + 1], i)
+        cross_c.update(kv[4 * i + 2], kv[4 * i + 3], i)
+    cache = EncoderDecoderCache(self_c, cross_c)
+    for i in range(len(kv) // 4):
+        cache.is_updated[i] = True  # cross keys/values are given: never recompute them
+    return cache
+
+
+class EncoderGraph(nn.Module):
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__()
+        self.model = ckpt.model
+        self.layers = shapes(ckpt)["layers"]
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        start = torch.full((input_ids.shape[0], 1), self.model.config.decoder_start_token_id, dtype=torch.long)
+        cache = _cache(self.layers)
+        self.model(encoder_outputs=(hidden,), attention_mask=attention_mask, decoder_input_ids=start,
+                   past_key_values=cache, use_cache=True)
+        cross = cache.cross_attention_cache.layers
+        return tuple(t for i in range(self.layers) for t in (cross[i].keys, cross[i].values))
+
+
+class DecoderGraph(nn.Module):
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__()
+        self.model = ckpt.model
+        self.layers = shapes(ckpt)["layers"]
+        self.hidden = shapes(ckpt)["hidden"]
+
+    def forward(self, decoder_input_ids, encoder_attention_mask, *kv):
+        cache = _cache(self.layers, kv)
+        # cross-attention reads the cached keys/values; the encoder states are only a shape placeholder
+        dummy = torch.zeros(encoder_attention_mask.shape[0], encoder_attention_mask.shape[1], self.hidden)
+        out = self.model(encoder_outputs=(dummy,), attention_mask=encoder_attention_mask,
+                         decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True)
+        own = cache.self_attention_cache.layers
+        return (out.logits, *(t for i in range(self.layers) for t in (own[i].keys, own[i].values)))
+
+
+def names(layers: int) -> dict[str, list[str]]:
+    return {
+        "cross": [f"cross.{i}.{k}" for i in range(layers) for k in ("key", "value")],
+        "past": [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")],
+        "present": [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")],
+    }
+
+
+def io(ckpt: Checkpoint) -> dict[str, dict[str, list[TensorSpec]]]:
+    s = shapes(ckpt)
+    n = names(s["layers"])
+    cross = ("batch", s["heads"], "source", s["head_size"])
+    past = ("batch", s["heads"], "past_sequence", s["head_size"])
+    present = ("batch", s["heads"], "present_sequence", s["head_size"])
+    vocab = int(ckpt.config.vocab_size)
+    return {
+        "encoder": {"inputs": [TensorSpec("input_ids", "int64", ("batch", "source")),
+                               TensorSpec("attention_mask", "int64", ("batch", "source"), True, "ones")],
+                    "outputs": [TensorSpec(c, "float32", cross) for c in n["cross"]]},
+        "decoder": {"inputs": [TensorSpec("decoder_input_ids", "int64", ("batch", "sequence")),
+                               TensorSpec("encoder_attention_mask", "int64", ("batch", "source"))]
+                    + [t for i in range(s["layers"]) for t in (
+                        TensorSpec(n["past"][2 * i], "float32", past, True, "empty"),
+                        TensorSpec(n["past"][2 * i + 1], "float32", past, True, "empty"),
+                        TensorSpec(n["cross"][2 * i], "float32", cross), TensorSpec(n["cross"][2 * i + 1], "float32", cross))],
+                    "outputs": [TensorSpec("logits", "float32", ("batch", "sequence", vocab))]
+                    + [TensorSpec(p, "float32", present) for p in n["present"]]},
+    }
+
+
+def export(ckpt: Checkpoint, root: Path, opset: int) -> None:
+    s = shapes(ckpt)
+    spec = io(ckpt)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    source = torch.export.Dim("source", min=1, max=max(ckpt.max_length, 9))
+    seq = torch.export.Dim("sequence", min=1, max=max(ckpt.max_length, 9))
+    past = torch.export.Dim("past_sequence", min=0, max=max(ckpt.max_length, 9))
+    ids = torch.randint(3, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    enc = EncoderGraph(ckpt).eval()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            cross = enc(ids, mask)
+            program = torch.onnx.export(
+                enc, (ids, mask), dynamic_shapes={"input_ids": {0: batch, 1: source}, "attention_mask": {0: batch, 1: source}},
+                input_names=[t.name for t in spec["encoder"]["inputs"]], output_names=[t.name for t in spec["encoder"]["outputs"]],
+                dynamo=True, opset_version=opset, optimize=True, verbose=False)
+            program.save(str(root / ENCODER))
+            kv: list[torch.Tensor] = []
+            for i in range(s["layers"]):
+                own = torch.randn(2, s["heads"], 3, s["head_size"])
+                kv += [own, own.clone(), cross[2 * i], cross[2 * i + 1]]
+            kv_dims = tuple({0: batch, 2: past} if j % 4 < 2 else {0: batch, 2: source} for j in range(len(kv)))
+            program = torch.onnx.export(
+                DecoderGraph(ckpt).eval(), (ids[:, :2], mask, *kv),
+                dynamic_shapes={"decoder_input_ids": {0: batch, 1: seq}, "encoder_attention_mask": {0: batch, 1: source},
+                                "kv": kv_dims},
+                input_names=[t.name for t in spec["decoder"]["inputs"]], output_names=[t.name for t in spec["decoder"]["outputs"]],
+                dynamo=True, opset_version=opset, optimize=True, verbose=False)
+            program.save(str(root / DECODER))
+    except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
+                          "report it with the checkpoint's config.json") from e
+
+
+def prompts(ckpt: Checkpoint, tok: Any | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three source texts of different lengths, right-padded (encoders pad right)."""
+    from kiln.compiler.cases import SAMPLE_TEXTS, pad_token_id
+
+    rows = [tok(t, add_special_tokens=True)["input_ids"][:32] for t in SAMPLE_TEXTS] if tok is not None else []
+    if not rows or not all(rows):
+        rng = np.random.default_rng(seed)
+        rows = [rng.integers(3, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]
+    width = max(map(len, rows))
+    ids = np.full((len(rows), width), pad_token_id(ckpt, tok), np.int64)
+    mask = np.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def verify(ckpt: Checkpoint, artifact: Any, ids: np.ndarray, mask: np.ndarray, steps: int, precision: str) -> dict[str, Any]:
+    tol = TOLERANCES[precision]
+    pad = int(artifact.manifest.data["generation"]["pad_token_id"])
+    with torch.inference_mode():
+        ref = ckpt.model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps,
+                                  do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
+                                  forced_bos_token_id=None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+    ref_tokens = ref.sequences.numpy()  # (batch, 1 + steps): starts with decoder_start_token_id
+    ref_logits = np.stack([x.float().numpy() for x in ref.logits])
+    base = {"steps": steps, "batch": int(ids.shape[0]), "source_lengths": mask.sum(1).tolist()}
+    try:
+        runner = artifact.seq2seq_runner(ids, mask)
+        worst, wrong = 0.0, []
+        for t in range(steps):
+            logits = runner.step(ref_tokens[:, t:t + 1])[:, -1]
+            r = ref_logits[t].astype(np.float64)
+            a = tol.abs_factor * max(1.0, float(np.abs(r).max()))
+            worst = max(worst, float(np.abs(logits - r).max() / a))
+            top = np.sort(r, -1)
+            decisive = (top[:, -1] - top[:, -2]) > a
+            wrong += [(t, int(b)) for b in np.flatnonzero((logits.argmax(-1) != ref_tokens[:, t + 1]) & decisive)]
+        runner.close()
+        got = artifact.generate(ids, mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad)
+    except KilnError as e:
+        return {**base, "passed": False, "error": str(e), "tokens_identical": False, "max_abs_over_atol": float("inf"),
+                "ties": 0, "wrong_tokens": []}
+    identical = bool(np.array_equal(got, ref_tokens))
+    return {**base, "tokens_identical": identical, "max_abs_over_atol": worst, "ties": 0, "wrong_tokens": wrong[:10],
+            "passed": worst <= 1.0 and not wrong and identical}
