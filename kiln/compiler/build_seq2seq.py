@@ -18,6 +18,8 @@ from kiln.compiler.options import CompileOptions
 from kiln.errors import ParityError, UnsupportedModelError
 from kiln.passes import check_disabled, run_passes
 from kiln.passes.cleanup import EliminateDeadNodes
+from kiln.passes.decompose_norm import DecomposeNorm
+from kiln.passes.fuse_mha import FuseMultiHeadAttention
 from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION
 
 STEPS = 16
@@ -28,7 +30,7 @@ def build_seq2seq(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Ca
                   generation_defaults: Callable[[Checkpoint], dict[str, Any]]) -> None:
     import onnx
 
-    from kiln.compiler.pipeline import CLEANUP, ModelFacts
+    from kiln.compiler.pipeline import CLEANUP, FusionCoverageError, ModelFacts
 
     if options.target != "cpu":
         raise UnsupportedModelError(f"{ckpt.architecture} compiles for --target cpu only; encoder-decoder TensorRT "
@@ -38,12 +40,28 @@ def build_seq2seq(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Ca
     s = seq2seq.shapes(ckpt)
     facts = ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"], ckpt.max_length)
     record: list[dict[str, Any]] = []
+    # one MultiHeadAttention per encoder layer; self + cross per decoder layer
+    expected = {seq2seq.ENCODER: s["encoder_layers"], seq2seq.DECODER: 2 * s["layers"]}
+    problems = []
     for graph in (seq2seq.ENCODER, seq2seq.DECODER):
-        passes = [make(facts) for make in CLEANUP] + [EliminateDeadNodes()]
+        passes = [make(facts) for make in CLEANUP] + [FuseMultiHeadAttention(s["heads"], s["head_size"]),
+                                                       DecomposeNorm(), EliminateDeadNodes()]
         check_disabled(passes, options.disabled_passes)
         model, rec = run_passes(onnx.load(str(root / graph)), passes, options.disabled_passes, say)
         onnx.save_model(model, str(root / graph))
-        record += [dict(r, graph=graph.split(".")[0]) for r in rec]
+        for r in rec:
+            r["graph"] = graph.split(".")[0]
+            if r["name"] == "fuse-mha" and not r.get("disabled"):
+                r["coverage"] = {"expected": expected[graph], "fused": r["stats"]["fused"]}
+                if r["stats"]["fused"] < expected[graph]:
+                    why = "; ".join(f"{x['where']}: {x['why']}" for x in r.get("skipped", [])[:3]) or "no candidates found"
+                    problems.append(f"fuse-mha fused {r['stats']['fused']} of {expected[graph]} expected in {graph} ({why})")
+        record += rec
+    if problems and not options.allow_partial_fusion:
+        raise FusionCoverageError(f"incomplete fusion: {' | '.join(problems)}; pass --allow-partial-fusion to ship it "
+                                  "anyway, or --disable-pass the rule")
+    for problem in problems:
+        say(f"warning: {problem} (--allow-partial-fusion)")
     tok = case_lib.load_hf_tokenizer(ckpt.path)
     manifest = manifest_base(ckpt, facts, options, record, copy_tokenizer(ckpt, tok, root))
     spec = seq2seq.io(ckpt)

@@ -35,10 +35,11 @@ ENCODER, DECODER = "encoder.onnx", "decoder.onnx"
 def shapes(ckpt: Checkpoint) -> dict[str, int]:
     cfg = ckpt.config
     layers = int(getattr(cfg, "num_decoder_layers", None) or getattr(cfg, "decoder_layers", None) or cfg.num_layers)
+    encoder_layers = int(getattr(cfg, "encoder_layers", None) or cfg.num_layers)
     heads = int(getattr(cfg, "decoder_attention_heads", None) or cfg.num_heads)
     hidden = int(cfg.d_model)
     head_size = int(getattr(cfg, "d_kv", None) or hidden // heads)
-    return {"layers": layers, "heads": heads, "head_size": head_size, "hidden": hidden}
+    return {"layers": layers, "encoder_layers": encoder_layers, "heads": heads, "head_size": head_size, "hidden": hidden}
 
 
 def _cache(layers: int, kv: tuple[torch.Tensor, ...] = ()):

@@ -43,6 +43,7 @@ class Core:
     scale: float | None
     mask: str | None  # the mask tensor the core consumes (any form); traced back to a graph input
     causal: bool
+    extra_masks: tuple[str, ...] = ()  # further additive terms (T5: position bias, then the padding mask)
 
 
 def _perm(node: onnx.NodeProto | None) -> list[int] | None:
@@ -118,10 +119,11 @@ def match_explicit_chain(g: Graph, sm: onnx.NodeProto) -> Core:
     if out_mm is None or out_mm.input[0] != sm.output[0]:
         raise NoMatch("Softmax output does not feed a MatMul with V")
     nodes = [sm, out_mm]
-    cur, mask = g.producer.get(sm.input[0]), None
-    if cur is not None and cur.op_type == "Add":
-        mask_idx = 1 if g.producer.get(cur.input[0]) is not None and g.producer[cur.input[0]].op_type in ("Mul", "Div", "MatMul") else 0
-        mask = cur.input[mask_idx]
+    cur, masks = g.producer.get(sm.input[0]), []
+    while cur is not None and cur.op_type == "Add" and len(masks) < 3:  # mask, bias, ... added to the scores
+        score_ops = ("Mul", "Div", "MatMul", "Add")
+        mask_idx = 1 if g.producer.get(cur.input[0]) is not None and g.producer[cur.input[0]].op_type in score_ops else 0
+        masks.insert(0, cur.input[mask_idx])
         nodes.append(cur)
         cur = g.producer.get(cur.input[1 - mask_idx])
     scale = 1.0
@@ -138,7 +140,8 @@ def match_explicit_chain(g: Graph, sm: onnx.NodeProto) -> Core:
     for n in nodes[2:]:
         if len(g.consumers[n.output[0]]) != 1:
             raise NoMatch(f"{n.output[0]} has other users")
-    return Core(nodes, cur.input[0], cur.input[1], out_mm.input[1], out_mm.output[0], scale, mask, False)
+    return Core(nodes, cur.input[0], cur.input[1], out_mm.input[1], out_mm.output[0], scale, masks[0] if masks else None,
+                False, tuple(masks[1:]))
 
 
 class FuseAttention(Pass):
@@ -178,6 +181,8 @@ class FuseAttention(Pass):
     def rewrite(self, g: Graph, core: Core, mask_index: str | None):
         if core.causal:
             raise NoMatch("causal attention belongs to the decoder rules")
+        if core.extra_masks:
+            raise NoMatch("scores get several additive terms (a position bias); the 2-D padding mask cannot carry them")
         q = match_projection(g, core.q)
         k_tr = g.producer.get(core.k)
         k = match_projection(g, core.k, transpose_k=_perm(k_tr) == [0, 2, 3, 1])

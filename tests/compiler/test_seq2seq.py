@@ -33,6 +33,10 @@ def test_manifest_and_verification(seq2seq_artifacts, family):
     gen = manifest["verification"]["generation"]
     assert manifest["verification"]["status"] == "passed" and gen["tokens_identical"] and gen["max_abs_over_atol"] <= 1
     assert {"encoder.onnx", "decoder.onnx", "report.json"} <= set(manifest["files"])
+    mha = {p["graph"]: p for p in manifest["passes"] if p["name"] == "fuse-mha"}
+    assert mha["encoder"]["coverage"] == {"expected": 2, "fused": 2}  # self-attention per encoder layer
+    assert mha["decoder"]["coverage"] == {"expected": 4, "fused": 4}  # cached self + cross per decoder layer
+    assert mha["decoder"]["stats"]["cached_self"] == 2 and mha["decoder"]["stats"]["cross"] == 2
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
