@@ -74,6 +74,10 @@ def make_model(family: str, head: str):
         cfg = T.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
                            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **common)
+    elif family == "marian":
+        cfg = T.MarianConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128,
+                             pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, **common)
     else:
         raise ValueError(family)
     if head in ("sequence-classification", "token-classification"):
@@ -95,7 +99,7 @@ def save_checkpoint(path: Path, family: str, head: str, tokenizer: bool = True) 
     model = make_model(family, head)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
-        kind = "encoder" if family in ("bert", "roberta", "distilbert", "t5", "bart") else "decoder"
+        kind = "encoder" if family in ("bert", "roberta", "distilbert", "t5", "bart", "marian") else "decoder"
         make_tokenizer(kind).save_pretrained(path)
     return path
 
@@ -125,7 +129,7 @@ def fast_options(**kw):
     return CompileOptions(**base)
 
 
-SEQ2SEQ = [("t5", "text2text"), ("bart", "text2text")]
+SEQ2SEQ = [("t5", "text2text"), ("bart", "text2text"), ("marian", "text2text")]
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("decoder"),
     "t5": Family("seq2seq", max_length_key="n_positions", attention="eager"),
     "bart": Family("seq2seq"),
+    "marian": Family("seq2seq"),
 }
 
 TASKS_BY_KIND = {
@@ -78,7 +79,7 @@ def task_for_architecture(arch: str) -> str | None:
         return "token-classification"
     if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
         return "causal-lm"
-    if arch.endswith("ForConditionalGeneration"):
+    if arch.endswith("ForConditionalGeneration") or arch.endswith("MTModel"):
         return "text2text-generation"
     if arch.endswith("Model"):
         return "feature-extraction"
