@@ -17,7 +17,7 @@ import onnx
 from onnx import helper
 
 from kiln.passes.base import Pass, PassResult, Reason
-from kiln.passes.fuse_attention import NoMatch, _perm, match_explicit_chain, match_onnx_attention
+from kiln.passes.fuse_attention import NoMatch, _perm, attention_candidates, match_explicit_chain, match_onnx_attention
 from kiln.passes.graph import Graph
 
 
@@ -31,7 +31,7 @@ class CanonicalizeAttention(Pass):
         g = Graph(model)
         stats = {"canonical": 0, "scaled": 0, "repeat_kv_removed": 0, "from_chain": 0}
         skipped = []
-        for handle in g.nodes_of("Attention") + g.nodes_of("Softmax"):
+        for handle in attention_candidates(g):
             node = g.node(handle)
             if node is None:
                 continue

@@ -144,6 +144,15 @@ def match_explicit_chain(g: Graph, sm: onnx.NodeProto) -> Core:
                 False, tuple(masks[1:]))
 
 
+def attention_candidates(g: Graph) -> list[str]:
+    """Handles of every attention core's anchor: the exporter's Attention ops, then explicit Softmaxes."""
+    return g.nodes_of("Attention") + g.nodes_of("Softmax")
+
+
+def match_core(g: Graph, node: onnx.NodeProto) -> Core:
+    return match_onnx_attention(g, node) if node.op_type == "Attention" else match_explicit_chain(g, node)
+
+
 class FuseAttention(Pass):
     """Encoder self-attention -> ``com.microsoft.Attention`` (ONNX Runtime CPU/CUDA)."""
 
@@ -153,21 +162,17 @@ class FuseAttention(Pass):
         self.num_heads = num_heads
         self.mask_input = mask_input
 
-    def candidates(self, g: Graph) -> list[str]:
-        return g.nodes_of("Attention") + g.nodes_of("Softmax")
-
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
         fused, skipped = 0, []
         mask_index: str | None = None
-        for handle in self.candidates(g):
+        for handle in attention_candidates(g):
             node = g.node(handle)
             if node is None:  # removed by an earlier fusion
                 continue
             where = node.name or node.output[0]
             try:
-                core = match_onnx_attention(g, node) if node.op_type == "Attention" else match_explicit_chain(g, node)
-                new, remove, mask_index = self.rewrite(g, core, mask_index)
+                new, remove, mask_index = self.rewrite(g, match_core(g, node), mask_index)
             except NoMatch as e:
                 skipped.append(Reason(where, str(e)))
                 continue

@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from kiln.passes.base import Pass, PassResult, Reason
-from kiln.passes.fuse_attention import Core, NoMatch, match_explicit_chain, match_head_split, match_onnx_attention
+from kiln.passes.fuse_attention import Core, NoMatch, attention_candidates, match_core, match_head_split
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
 from kiln.passes.pin_norms import value_types
 
@@ -37,13 +37,12 @@ class FuseMultiHeadAttention(Pass):
         self._bias: dict[str, str] = {}
         stats = {"fused": 0, "self": 0, "cached_self": 0, "cross": 0}
         skipped = []
-        for handle in g.nodes_of("Attention") + g.nodes_of("Softmax"):
+        for handle in attention_candidates(g):
             node = g.node(handle)
             if node is None:
                 continue
             try:
-                core = match_onnx_attention(g, node) if node.op_type == "Attention" else match_explicit_chain(g, node)
-                new, remove, kind = self.rewrite(g, core)
+                new, remove, kind = self.rewrite(g, match_core(g, node))
             except NoMatch as e:
                 skipped.append(Reason(node.name or handle, str(e)))
                 continue
