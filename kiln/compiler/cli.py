@@ -134,6 +134,11 @@ def parity_table(manifest: dict[str, Any]) -> str:
     for name, s in v["summary"].items():
         top1 = f"{s['top1_agreement']:.1%}" if "top1_agreement" in s else "-"
         lines.append(f"  {name:<20} {s['max_abs']:>12.3g} {s['max_rel']:>12.3g} {s['cosine_min']:>11.6f} {top1:>7}")
+    gen = v.get("generation")
+    if gen:
+        lines.append(f"  generation: {gen['steps']} greedy steps x batch {gen['batch']} through the cache, tokens identical "
+                     f"to Hugging Face generate: {gen['tokens_identical']} (step logits within "
+                     f"{gen['max_abs_over_atol']:.3g}x the tolerance)")
     lat = v.get("latency")
     if lat:
         b, t = lat["shape"]
@@ -175,6 +180,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     import kiln.runtimes as kr
 
     model = kr.load(args.artifact, threads=args.threads)
+    if model.manifest.kind == "seq2seq":
+        raise UsageError(f"{args.artifact} is an encoder-decoder artifact: kiln run shows one forward pass of a "
+                         "single-graph model; use kiln generate --prompt TEXT")
     if args.text:
         feeds = model.encode(args.text, truncate=args.truncate)
     else:
@@ -187,7 +195,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def summarize(model: Any, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray], top: int) -> dict[str, Any]:
     m = model.manifest.data["model"]
-    out: dict[str, Any] = {"task": m["task"], "shapes": {k: list(v.shape) for k, v in outputs.items()}}
+    out: dict[str, Any] = {"task": m["task"], "shapes": {k: list(v.shape) for k, v in outputs.items()
+                                                          if not k.startswith("present.")}}
     lengths = feeds.get("attention_mask", np.ones_like(feeds["input_ids"])).sum(1)
     if "sentence_embedding" in outputs:
         emb = outputs["sentence_embedding"]

@@ -97,3 +97,10 @@ def test_stream_and_cli_generate(seq2seq_artifacts, capsys):
                              repetition_penalty=5.0)
         assert text == model.text_encoder.decode(ids[0, 1:].tolist())
     assert main(["generate", str(seq2seq_artifacts["t5"]), "--prompt", "The cat", "--max-new-tokens", "4"]) == 0
+
+
+def test_cli_run_points_to_generate(seq2seq_artifacts, capsys):
+    from kiln.compiler.cli import main
+
+    assert main(["run", str(seq2seq_artifacts["bart"]), "--text", "hello"]) == 2
+    assert "use kiln generate" in capsys.readouterr().err
