@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm", "text2text-generation")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "int8")
+"""int8: dynamic, weights int8 per output channel, activations quantized at run time (cpu target)."""
 TARGETS = ("cpu", "tensorrt")
 """cpu: ONNX Runtime's contrib-op graph; tensorrt: standard-op graph for TensorRT's parser (also runs on ONNX Runtime)."""
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, UsageError
 from kiln.passes import Pass
 from kiln.passes.cleanup import (
     DeduplicateInitializers,
@@ -22,7 +22,9 @@ from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
+from kiln.passes.fuse_mha import FuseMultiHeadAttention
 from kiln.passes.kv_cache import AddKVCache
+from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.pin_norms import PinNormsFP32
 
 
@@ -83,17 +85,35 @@ PIPELINES: dict[tuple[str, str, str], list[PassFactory]] = {
     ],
 }
 
+# INT8 (dynamic): the FP32 fusions first, then every weight MatMul quantized. Encoders use fuse-mha
+# rather than the packed Attention op so that the Q/K/V projections are plain MatMuls the quantizer sees.
+PIPELINES[("cpu", "encoder", "int8")] = [
+    *CLEANUP,
+    lambda f: FuseMultiHeadAttention(f.num_heads, f.head_size),
+    lambda f: FuseBiasGelu(),
+    lambda f: DecomposeNorm(),
+    lambda f: QuantizeDynamicInt8(),
+    lambda f: EliminateDeadNodes(),
+]
+PIPELINES[("cpu", "decoder", "int8")] = [
+    *PIPELINES[("cpu", "decoder", "fp32")][:-1], lambda f: QuantizeDynamicInt8(), lambda f: EliminateDeadNodes()]
+
 # pass name -> (stat that counts fusions, expected count per layer); checked after the pipeline
 COVERAGE: dict[str, tuple[str, int]] = {
     "fuse-attention": ("fused", 1),
     "fuse-gqa": ("fused", 1),
     "canonicalize-attention": ("canonical", 1),
     "kv-cache": ("layers", 1),
+    "fuse-mha": ("fused", 1),
 }
 
 
 def select_passes(facts: ModelFacts, precision: str, target: str = "cpu") -> list[Pass]:
-    return [make(facts) for make in PIPELINES[(target, facts.kind, precision)]]
+    pipeline = PIPELINES.get((target, facts.kind, precision))
+    if pipeline is None:
+        raise UsageError(f"precision {precision} is not available for {facts.kind} models on target {target}; "
+                        f"compile with --precision fp32 or --target cpu")
+    return [make(facts) for make in pipeline]
 
 
 def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool) -> list[str]:

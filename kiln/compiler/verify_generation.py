@@ -41,7 +41,7 @@ def _compare(artifact: Any, prompt: Any, ref_tokens: np.ndarray, ref_logits: np.
     rows = prompt.ids.shape[0]
     runner = artifact.runtime.cache_runner(artifact.manifest.data["kv_cache"], rows)
     mask = prompt.mask
-    worst, atol, ties, wrong = 0.0, 0.0, 0, []
+    worst, atol, ties, wrong, cos_min, decisive_n = 0.0, 0.0, 0, [], 1.0, 0
     try:
         logits = runner.step(prompt.ids, mask)[:, -1]
         for t in range(steps):
@@ -50,6 +50,9 @@ def _compare(artifact: Any, prompt: Any, ref_tokens: np.ndarray, ref_logits: np.
             worst, atol = max(worst, float(np.abs(logits - r).max() / a)), a
             top = np.sort(r, -1)
             decisive = (top[:, -1] - top[:, -2]) > a
+            decisive_n += int(decisive.sum())
+            cos = (logits * r).sum(-1) / np.maximum(np.linalg.norm(logits, axis=-1) * np.linalg.norm(r, axis=-1), 1e-30)
+            cos_min = min(cos_min, float(cos.min()))
             differs = logits.argmax(-1) != ref_tokens[:, t]
             ties += int((differs & ~decisive).sum())
             wrong += [(t, int(b)) for b in np.flatnonzero(differs & decisive)]
@@ -60,6 +63,10 @@ def _compare(artifact: Any, prompt: Any, ref_tokens: np.ndarray, ref_logits: np.
         runner.close()
     generated = artifact.generate(prompt.ids, prompt.mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad_id)
     identical = bool(np.array_equal(generated[:, prompt.ids.shape[1]:], ref_tokens))
-    passed = worst <= 1.0 and not wrong and (identical or ties > 0)
+    if tol.min_cosine is None:  # exact precisions: every step within the abs bound, every decisive token right
+        passed = worst <= 1.0 and not wrong and (identical or ties > 0)
+    else:  # quantized: step logits close in direction, decisive tokens mostly right
+        agreement = 1.0 - len(wrong) / max(decisive_n, 1)
+        passed = cos_min >= tol.min_cosine and agreement >= tol.min_top1
     return {"tokens_identical": identical, "max_abs_over_atol": worst, "atol": atol, "ties": ties,
-            "wrong_tokens": wrong[:10], "passed": passed}
+            "wrong_tokens": wrong[:10], "cosine_min": cos_min, "passed": passed}

@@ -189,3 +189,28 @@ def test_tensorrt_flavour_compiles_and_verifies_on_onnxruntime(checkpoints, tmp_
     assert len(attn) == 2 and all(a.f == 1.0 for n in attn for a in n.attribute if a.name == "scale")
     rope = KINDS.get(family) is None and family != "gpt2"
     assert manifest["target_info"]["min_tensorrt"] == ("10.15" if rope else "10.14")
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_int8_compiles_and_verifies_with_the_int8_table(checkpoints, tmp_path, family):
+    out = compile(checkpoints[family], tmp_path / "int8", fast_options(precision="int8", latency_budget_s=0.1))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "int8" and manifest["verification"]["status"] == "passed"
+    report = json.loads((out / "report.json").read_text())
+    assert report["tolerance"]["min_cosine"] == 0.9
+    quant = next(p for p in manifest["passes"] if p["name"] == "quantize-int8")["stats"]
+    assert quant["quantized"] == (12 if family == "bert" else 11)  # every weight MatMul of 2 layers (+ lm_head)
+    graph = onnx.load(str(out / "model.onnx"))
+    assert [n.op_type for n in graph.graph.node].count("DynamicQuantizeMatMul") == quant["quantized"]
+    summary = next(iter(manifest["verification"]["summary"].values()))
+    assert 0.9 <= summary["cosine_min"] < 1.0  # quantized, and still close
+    if family == "llama":
+        assert manifest["verification"]["generation"]["steps"] == 16
+
+
+def test_int8_is_cpu_only(checkpoints, tmp_path):
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match="precision int8 is not available for encoder models on target tensorrt"):
+        compile(checkpoints["bert"], tmp_path / "x", fast_options(precision="int8", target="tensorrt"))
+    assert not (tmp_path / "x").exists()

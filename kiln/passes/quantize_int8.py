@@ -1,0 +1,85 @@
+"""Dynamic INT8: MatMul with a constant weight (+ bias Add) -> ``com.microsoft.DynamicQuantizeMatMul``.
+
+Weights are int8, symmetric, one scale per output column (per-channel: a column of small weights
+does not lose its resolution to the largest column of the matrix); activations are quantized to
+uint8 per tensor at run time by the kernel. The bias Add that follows a MatMul is folded into the
+kernel. MatMuls whose second input is not a constant (attention scores) stay FP32, and so do
+weights named in ``keep_fp32`` (the accuracy budget's choice) or smaller than ``min_elements``.
+
+The math lives in small pure functions so tests can check them against numpy on random tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from kiln.passes.base import Pass, PassResult, Reason
+from kiln.passes.graph import MS_DOMAIN, Graph
+
+
+def quantize_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N) float -> int8 (K, N) and float32 scales (N,), symmetric: w ~= q * scale."""
+    scale = np.abs(w).max(axis=0).astype(np.float64) / 127.0
+    scale[scale == 0] = 1.0  # an all-zero column stays exactly zero
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float32)
+
+
+def dequantize_per_column(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * scale
+
+
+def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
+    """What the kernel does to its input: uint8, per tensor, asymmetric, range including 0."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = (hi - lo) / 255.0 or 1.0
+    zero = np.clip(np.rint(-lo / scale), 0, 255)
+    return ((np.clip(np.rint(x / scale) + zero, 0, 255) - zero) * scale).astype(np.float32)
+
+
+class QuantizeDynamicInt8(Pass):
+    name = "quantize-int8"
+
+    def __init__(self, keep_fp32: tuple[str, ...] = (), min_elements: int = 1024) -> None:
+        self.keep_fp32 = set(keep_fp32)
+        self.min_elements = min_elements
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        g = Graph(model)
+        stats = {"quantized": 0, "with_bias": 0, "kept_fp32": 0}
+        skipped = []
+        for handle in g.nodes_of("MatMul"):
+            mm = g.node(handle)
+            where = mm.name or handle
+            w = g.constant(mm.input[1])
+            if w is None or w.ndim != 2 or w.dtype != np.float32:
+                continue  # activations x activations (attention scores): nothing to quantize
+            if mm.input[1] in self.keep_fp32:
+                stats["kept_fp32"] += 1
+                skipped.append(Reason(where, f"weight {mm.input[1]} kept in FP32 (accuracy budget)"))
+                continue
+            if w.size < self.min_elements:
+                skipped.append(Reason(where, f"weight of {w.size} elements is below {self.min_elements}"))
+                continue
+            q, scale = quantize_per_column(w)
+            inputs = [mm.input[0], g.add_initializer(f"{mm.input[1]}_int8", q), g.add_initializer(f"{mm.input[1]}_scale", scale),
+                      g.add_initializer(f"{mm.input[1]}_zero", np.zeros_like(q[0]))]
+            remove, out = [mm], mm.output[0]
+            add = g.only_consumer(mm.output[0], "Add")
+            if add is not None:
+                other = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
+                b = g.constant(other)
+                if b is not None and b.shape == (w.shape[1],):
+                    inputs.append(other)
+                    remove.append(add)
+                    out = add.output[0]
+                    stats["with_bias"] += 1
+            g.replace_nodes(remove, [helper.make_node("DynamicQuantizeMatMul", inputs, [out], name=g.fresh("DQMatMul"),
+                                                      domain=MS_DOMAIN)])
+            stats["quantized"] += 1
+        if stats["quantized"]:
+            g.ensure_opset(MS_DOMAIN, 1)
+            g.prune()
+        return PassResult(g.model, stats["quantized"] > 0, stats, skipped)
