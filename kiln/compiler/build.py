@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import kiln.runtimes as kr
 from kiln import __version__
 from kiln.compiler import cases as case_lib
@@ -75,7 +77,10 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     if passes:
         import onnx
 
-        model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)
+        if options.max_drop and options.precision == "int8":
+            model, record = int8_with_budget(ckpt, onnx.load(str(root / GRAPH)), passes, options, say)
+        else:
+            model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)
         for problem in check_coverage(record, facts, options.allow_partial_fusion):
             say(f"warning: {problem} (--allow-partial-fusion)")
         if options.target == "tensorrt":
@@ -134,6 +139,67 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
         manifest["verification"]["generation"] = {k: report["generation"][k] for k in
                                                   ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}
     write_manifest(root, manifest)
+
+
+def int8_with_budget(ckpt: Checkpoint, graph: Any, passes: list, options: CompileOptions, say: Progress):
+    """Run the FP32 part of the pipeline, search which weights stay FP32, then quantize with that choice."""
+    import onnxruntime as ort
+
+    from kiln.compiler import quantize
+    from kiln.passes.quantize_int8 import QuantizeDynamicInt8
+
+    if ckpt.kind != "encoder":
+        raise UsageError(f"--max-drop is available for encoders (cosine) only so far; compile {ckpt.architecture} "
+                         "with --precision int8 without it")
+    _, min_cos = quantize.parse_budget(options.max_drop)
+    texts = quantize.read_texts(options.calibration)
+    tok = case_lib.load_hf_tokenizer(ckpt.path)
+    if tok is None:
+        raise UsageError(f"--max-drop needs the checkpoint's tokenizer to read calibration text; {ckpt.path} has none")
+    inputs = [s.name for s in io_specs(ckpt)[0]]
+    limit = min(ckpt.max_length, 128)
+
+    def batches(rows: list[str]) -> list[dict]:
+        out = []
+        for i in range(0, len(rows), 16):
+            enc = tok(rows[i:i + 16], padding=True, truncation=True, max_length=limit, return_tensors="np")
+            ids = enc["input_ids"].astype(np.int64)
+            if (enc["attention_mask"].sum(1) <= 2).all():
+                continue
+            out.append(case_lib._feeds(ids, enc["attention_mask"].astype(np.int64), inputs))
+        return out
+
+    cal_texts, held_texts = quantize.split(texts)
+    cal, held = batches(cal_texts), batches(held_texts)
+    if not cal or not held:
+        raise UsageError(f"calibration text {options.calibration or '(default)'} has no usable tokens for "
+                         f"{ckpt.path}'s tokenizer; give real sentences in the model's language")
+    cut = next(i for i, p in enumerate(passes) if p.name == "quantize-int8")
+    fp32, record = run_passes(graph, passes[:cut], options.disabled_passes, say)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = options.threads or 0
+
+    def run(model: Any, feeds: list[dict]) -> np.ndarray:
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        names = {i.name for i in sess.get_inputs()}
+        rows = []
+        for f in feeds:
+            out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in f.items() if k in names})))
+            if "sentence_embedding" in out:
+                rows.append(out["sentence_embedding"])
+            else:
+                first = next(iter(out.values()))
+                m = f["attention_mask"][..., None]
+                rows.append((first * m).sum(1) / m.sum(1) if first.ndim == 3 else first)
+        return np.concatenate(rows).astype(np.float64)
+
+    result = quantize.search(fp32, run, cal, held, min_cos, say)
+    say(f"int8 budget: {len(result['kept_fp32'])} of {result['weights']} weights kept FP32; held-out min cosine "
+        f"{result['heldout_cosine_min']:.5f} (budget {min_cos})")
+    rest = [QuantizeDynamicInt8(keep_fp32=tuple(result["kept_fp32"])), *passes[cut + 1:]]
+    model, tail = run_passes(fp32, rest, options.disabled_passes, say)
+    tail[0]["budget"] = {k: v for k, v in result.items() if k != "model"}
+    return model, record + tail
 
 
 def model_facts(ckpt: Checkpoint) -> ModelFacts:

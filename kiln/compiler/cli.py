@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="ship a graph with fewer fusions than layers instead of failing")
     c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
                    help="longest random sequence in the parity check")
+    c.add_argument("--max-drop", default=d.max_drop, metavar="METRIC=VALUE",
+                   help="int8 accuracy budget, e.g. cosine=0.995 (encoders): sensitive weights stay FP32 until it holds")
+    c.add_argument("--calibration", default=d.calibration, metavar="FILE",
+                   help="texts (one per line, or JSONL with a text field) for the int8 budget")
     c.add_argument("--max-length", type=int, default=d.max_length,
                    help="decoders: KV-cache capacity, prompt + new tokens (default: the model's maximum)")
     c.add_argument("--seed", type=int, default=d.seed)
@@ -112,6 +116,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     opts = CompileOptions(
         task=args.task, precision=args.precision, target=args.target, opset=args.opset, verify=args.verify, force=args.force,
         threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed, max_length=args.max_length,
+        max_drop=args.max_drop, calibration=args.calibration,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))

@@ -32,6 +32,10 @@ class CompileOptions:
     latency_budget_s: float = 4.0
     """Seconds spent timing eager and artifact together (alternating rounds)."""
     seed: int = 0
+    max_drop: str | None = None
+    """INT8 accuracy budget, e.g. "cosine=0.995" (encoders): weights stay FP32 until it holds on held-out text."""
+    calibration: str | None = None
+    """Text file (one text per line) or JSONL ("text" field) for the INT8 budget; default: Python docs sentences."""
     max_length: int | None = None
     """Decoders: KV-cache capacity (prompt + new tokens) the runtime allocates; None: the model's maximum."""
     disabled_passes: tuple[str, ...] = ()
