@@ -37,6 +37,7 @@ anchor-venv: $(ANCHOR_VENV)/.installed
 bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/bench_encoder.py
 	$(PY) tools/bench_decoder.py
+	$(PY) tools/bench_int8.py
 
 clean:
 	rm -rf demo-out .pytest_cache

@@ -49,15 +49,16 @@ def median_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def build_anchor(python: str, ckpt: Path, out: Path, threads: int):
-    """Export + optimise in the anchor's own environment; return an ORT session over its graph."""
+def build_anchor(python: str, ckpt: Path, out: Path, threads: int, int8: bool = False):
+    """Export + optimise (+ quantize_dynamic per-channel when ``int8``) in the anchor's own environment;
+    return an ORT session over its graph."""
     import onnxruntime as ort
 
     if not Path(python).exists():
         print(f"anchor skipped: {python} not found (run `make anchor-venv`)", file=sys.stderr)
         return None
     print(f"building the anchor with {python}", file=sys.stderr)
-    res = subprocess.run([python, str(ROOT / "tools" / "anchor_encoder.py"), str(ckpt), str(out)],
+    res = subprocess.run([python, str(ROOT / "tools" / "anchor_encoder.py"), str(ckpt), str(out)] + (["--int8"] if int8 else []),
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"anchor build failed:\n{res.stderr[-2000:]}")
@@ -67,7 +68,8 @@ def build_anchor(python: str, ckpt: Path, out: Path, threads: int):
     opts.inter_op_num_threads = 1
     for key, value in SESSION_CONFIG.items():
         opts.add_session_config_entry(key, value)
-    return ort.InferenceSession(str(out / "model_optimized.onnx"), opts, providers=["CPUExecutionProvider"])
+    graph = "model_int8.onnx" if int8 else "model_optimized.onnx"
+    return ort.InferenceSession(str(out / graph), opts, providers=["CPUExecutionProvider"])
 
 
 def main() -> int:

@@ -166,7 +166,7 @@ def int8_with_budget(ckpt: Checkpoint, graph: Any, passes: list, options: Compil
             ids = enc["input_ids"].astype(np.int64)
             if (enc["attention_mask"].sum(1) <= 2).all():
                 continue
-            out.append(case_lib._feeds(ids, enc["attention_mask"].astype(np.int64), inputs))
+            out.append(case_lib.make_feeds(ids, enc["attention_mask"].astype(np.int64), inputs))
         return out
 
     cal_texts, held_texts = quantize.split(texts)

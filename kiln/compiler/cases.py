@@ -62,7 +62,7 @@ def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[np.ndarray, np.
     return ids, mask
 
 
-def _feeds(ids: np.ndarray, mask: np.ndarray, input_names: list[str]) -> dict[str, np.ndarray]:
+def make_feeds(ids: np.ndarray, mask: np.ndarray, input_names: list[str]) -> dict[str, np.ndarray]:
     feeds = {"input_ids": ids, "attention_mask": mask}
     if "token_type_ids" in input_names:
         feeds["token_type_ids"] = np.zeros_like(ids)
@@ -75,9 +75,9 @@ def text_cases(ckpt: Checkpoint, tok: Any, input_names: list[str]) -> list[Case]
     rows = [tok(t, add_special_tokens=True, truncation=True, max_length=limit)["input_ids"] for t in (*SAMPLE_TEXTS, long)]
     pad = pad_token_id(ckpt, tok)
     side = padding_side(ckpt)
-    cases = [Case(f"text[{i}]", _feeds(*_pad([r], pad, side), input_names), "text") for i, r in enumerate(rows)]
+    cases = [Case(f"text[{i}]", make_feeds(*_pad([r], pad, side), input_names), "text") for i, r in enumerate(rows)]
     ids, mask = _pad(rows, pad, side)
-    cases.append(Case(f"text padded batch {len(rows)}", _feeds(ids, mask, input_names), "text"))
+    cases.append(Case(f"text padded batch {len(rows)}", make_feeds(ids, mask, input_names), "text"))
     return cases
 
 
@@ -96,14 +96,14 @@ def random_cases(ckpt: Checkpoint, input_names: list[str], longest: int, seed: i
                 mask[1, : seq - short] = 0
             else:
                 mask[1, short:] = 0
-        cases.append(Case(f"random {batch}x{seq}", _feeds(ids, mask, input_names), "random"))
+        cases.append(Case(f"random {batch}x{seq}", make_feeds(ids, mask, input_names), "random"))
     return cases
 
 
 def latency_feeds(ckpt: Checkpoint, input_names: list[str], shape: tuple[int, int], seed: int) -> dict[str, np.ndarray]:
     batch, seq = shape[0], min(shape[1], ckpt.max_length)
     ids = np.random.default_rng(seed).integers(0, int(ckpt.config.vocab_size), size=(batch, seq), dtype=np.int64)
-    return _feeds(ids, np.ones_like(ids), input_names)
+    return make_feeds(ids, np.ones_like(ids), input_names)
 
 
 def generation_prompts(ckpt: Checkpoint, tok: Any | None, seed: int) -> list[list[int]]:
