@@ -54,6 +54,10 @@ class TextEncoder:
             type_ids[i, span] = types
         return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": type_ids}
 
+    def encode_ids(self, text: str) -> list[int]:
+        """Token ids of one text of any length, without special tokens (for scoring long documents)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

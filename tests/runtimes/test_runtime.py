@@ -144,3 +144,11 @@ def test_cli_run(artifacts, capsys):
     assert main(["run", str(artifacts["bert"]), "--text", "The cat sat. " * 50]) == 1
     assert "--truncate" in capsys.readouterr().err
     assert main(["run", str(artifacts["bert"]) + "-missing", "--text", "x"]) == 1
+
+
+def test_encode_ids_takes_long_text_without_special_tokens(artifacts):
+    with kr.load(artifacts["bert"]) as model:
+        long = "The cat sat on the mat. " * 200  # far past the model's maximum: scoring tools cut it themselves
+        ids = model.text_encoder.encode_ids(long)
+        assert len(ids) > model.max_sequence_length
+        assert model.text_encoder.encode_ids("The cat")[0] == model.encode("The cat")["input_ids"][0, 1]  # no [CLS]
