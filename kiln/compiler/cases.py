@@ -10,6 +10,7 @@ import numpy as np
 
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.verify import Case
+from kiln.runtimes.generation import pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,8 @@ def pad_token_id(ckpt: Checkpoint, tok: Any | None) -> int:
 
 
 def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[np.ndarray, np.ndarray]:
-    width = max(map(len, rows))
-    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        span = slice(width - len(r), width) if side == "left" else slice(0, len(r))
-        ids[i, span] = r
-        mask[i, span] = 1
-    return ids, mask
+    padded = pad_rows(rows, pad_id, side)
+    return padded.ids, padded.mask
 
 
 def make_feeds(ids: np.ndarray, mask: np.ndarray, input_names: list[str]) -> dict[str, np.ndarray]:

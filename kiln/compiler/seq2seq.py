@@ -28,6 +28,7 @@ from kiln.compiler.load import Checkpoint
 from kiln.compiler.verify import TOLERANCES
 from kiln.errors import ExportError, KilnError
 from kiln.runtimes.artifact import TensorSpec
+from kiln.runtimes.generation import pad_rows
 
 ENCODER, DECODER = "encoder.onnx", "decoder.onnx"
 
@@ -164,13 +165,8 @@ def prompts(ckpt: Checkpoint, tok: Any | None, seed: int) -> tuple[np.ndarray, n
     if not rows or not all(rows):
         rng = np.random.default_rng(seed)
         rows = [rng.integers(3, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]
-    width = max(map(len, rows))
-    ids = np.full((len(rows), width), pad_token_id(ckpt, tok), np.int64)
-    mask = np.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
-        mask[i, :len(r)] = 1
-    return ids, mask
+    padded = pad_rows(rows, pad_token_id(ckpt, tok), "right")
+    return padded.ids, padded.mask
 
 
 def verify(ckpt: Checkpoint, artifact: Any, ids: np.ndarray, mask: np.ndarray, steps: int, precision: str) -> dict[str, Any]:

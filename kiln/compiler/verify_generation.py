@@ -14,13 +14,13 @@ import torch
 
 from kiln.compiler.verify import TOLERANCES
 from kiln.errors import KilnError
-from kiln.runtimes.generation import left_pad
+from kiln.runtimes.generation import pad_rows
 
 
 def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: int, precision: str,
                       pad_id: int) -> dict[str, Any]:
     tol = TOLERANCES[precision]
-    prompt = left_pad(rows, pad_id)
+    prompt = pad_rows(rows, pad_id, "left")
     with torch.inference_mode():
         ref = model.generate(input_ids=torch.from_numpy(prompt.ids), attention_mask=torch.from_numpy(prompt.mask),
                              max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,

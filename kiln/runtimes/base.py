@@ -29,34 +29,30 @@ class CacheRunner:
         self.past = {name: np.zeros(shape, np.float32) for name in kv["past"]}
         self.present = dict(zip(kv["present"], kv["past"]))
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """Feed the new tokens (batch, new) and the mask over past + new; return logits (batch, new, vocab)."""
-        out = self.runtime.run({"input_ids": input_ids, "attention_mask": attention_mask, **self.past})
+    def _advance(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """Run with the cache so far; keep the grown cache; return the logits."""
+        out = self.runtime.run({**feeds, **self.past})
         self.past = {past: out[present] for present, past in self.present.items()}
         return out["logits"]
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Feed the new tokens (batch, new) and the mask over past + new; return logits (batch, new, vocab)."""
+        return self._advance({"input_ids": input_ids, "attention_mask": attention_mask})
 
     def close(self) -> None:
         self.past = {}
 
 
-class Seq2SeqRunner:
+class Seq2SeqRunner(CacheRunner):
     """Steps an encoder-decoder's decoder: the cross keys/values (computed once by the encoder) are fed
     unchanged every step, the self-attention cache grows. Backends may override with an IO-bound one."""
 
     def __init__(self, runtime: "Runtime", kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> None:
-        self.runtime = runtime
-        batch = mask.shape[0]
+        super().__init__(runtime, kv, mask.shape[0])
         self.fixed = {"encoder_attention_mask": mask, **{n: cross[n] for n in kv["cross"]}}
-        self.past = {n: np.zeros((batch, kv["num_kv_heads"], 0, kv["head_size"]), np.float32) for n in kv["past"]}
-        self.present = dict(zip(kv["present"], kv["past"]))
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        out = self.runtime.run({"decoder_input_ids": tokens, **self.fixed, **self.past})
-        self.past = {past: out[present] for present, past in self.present.items()}
-        return out["logits"]
-
-    def close(self) -> None:
-        self.past = {}
+    def step(self, tokens: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        return self._advance({"decoder_input_ids": tokens, **self.fixed})
 
 
 class Runtime(abc.ABC):

@@ -24,15 +24,17 @@ class Prompt:
     mask: np.ndarray  # (batch, prompt) int64
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> Prompt:
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int, side: str = "left") -> Prompt:
+    """Token lists of any lengths -> (batch, longest) ids and mask; decoders pad left, encoders right."""
     if not rows or any(len(r) == 0 for r in rows):
         raise InputError("every prompt needs at least one token; drop empty prompts")
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
+        span = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, span] = r
+        mask[i, span] = 1
     return Prompt(ids, mask)
 
 
@@ -41,7 +43,7 @@ def as_prompt(input_ids: Any, attention_mask: Any | None, pad_id: int) -> Prompt
     if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, np.ndarray)):
         if attention_mask is not None:
             raise InputError("give attention_mask only with a padded (batch, prompt) array, not with lists of ids")
-        return left_pad([list(map(int, r)) for r in input_ids], pad_id)
+        return pad_rows([list(map(int, r)) for r in input_ids], pad_id, "left")
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -62,6 +64,16 @@ def as_prompt(input_ids: Any, attention_mask: Any | None, pad_id: int) -> Prompt
     return Prompt(ids.astype(np.int64), mask)
 
 
+def as_source(input_ids: Any, attention_mask: Any | None, pad_id: int) -> Prompt:
+    """Encoder-decoder sources: a (batch, source) array with its mask, or token lists (right-padded here)."""
+    if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, np.ndarray)):
+        return pad_rows([list(map(int, r)) for r in input_ids], pad_id, "right")
+    ids = np.asarray(input_ids, dtype=np.int64)
+    ids = ids[None] if ids.ndim == 1 else ids
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
+    return Prompt(ids, mask)
+
+
 def check_capacity(kv: dict[str, Any], prompt_len: int, max_new_tokens: int, max_model: int) -> None:
     need = prompt_len + max_new_tokens
     cap = int(kv["capacity"])
@@ -76,38 +88,75 @@ def check_capacity(kv: dict[str, Any], prompt_len: int, max_new_tokens: int, max
     raise InputError(f"{head}; {fix}")
 
 
-def steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_tokens: int, sampling: Sampling,
-          stop_ids: Sequence[int], pad_id: int, seed: int | None) -> Iterator[np.ndarray]:
-    """Yield the tokens so far (batch, prompt + generated) after each new token. Generation stops at
-    ``max_new_tokens`` or when every row has produced a stop token; finished rows get ``pad_id``."""
-    kv = manifest_data.get("kv_cache")
-    if not kv or manifest_data["model"]["task"] != "causal-lm":
-        raise ArtifactError("this artifact cannot generate: it is not a causal-lm decoder compiled with a KV cache; "
-                            "compile a *ForCausalLM checkpoint with kiln compile (target cpu)")
+def check_request(kv: dict[str, Any], prompt_len: int, max_new_tokens: int, sampling: Sampling, max_model: int) -> None:
+    """Everything about a generation request that can be wrong, checked before the first step."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens {max_new_tokens} must be at least 1")
     sampling.check()
-    check_capacity(kv, prompt.ids.shape[1], max_new_tokens, int(manifest_data["model"]["max_sequence_length"]))
+    check_capacity(kv, prompt_len, max_new_tokens, max_model)
+
+
+def decode(seqs: np.ndarray, advance: Callable[[np.ndarray | None], np.ndarray], close: Callable[[], None],
+           max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int], pad_id: int,
+           seed: int | None) -> Iterator[np.ndarray]:
+    """The token loop both decoders and encoder-decoders share. ``advance(None)`` gives the first
+    next-token logits (batch, vocab), ``advance(tokens)`` those after feeding the chosen tokens.
+    Yields the tokens so far after each step; stops at ``max_new_tokens`` or when every row produced a
+    stop token; finished rows get ``pad_id`` (as Hugging Face's ``generate`` does)."""
     rng = np.random.default_rng(seed)
     stop = np.asarray(list(stop_ids), dtype=np.int64)
-    seqs, mask = prompt.ids, prompt.mask
     finished = np.zeros(seqs.shape[0], dtype=bool)
-    runner = runtime.cache_runner(kv, seqs.shape[0])
     try:
-        logits = runner.step(seqs, mask)[:, -1]
+        logits = advance(None)
         for step in range(max_new_tokens):
-            nxt = choose(logits, seqs, sampling, rng)
-            nxt = np.where(finished, pad_id, nxt)
+            nxt = np.where(finished, pad_id, choose(logits, seqs, sampling, rng))
             seqs = np.concatenate([seqs, nxt[:, None]], 1)
-            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], 1)
             if stop.size:
                 finished |= np.isin(nxt, stop)
             yield seqs
             if finished.all() or step == max_new_tokens - 1:
                 break
-            logits = runner.step(nxt[:, None], mask)[:, -1]
+            logits = advance(nxt)
     finally:
-        runner.close()
+        close()
+
+
+def steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_tokens: int, sampling: Sampling,
+          stop_ids: Sequence[int], pad_id: int, seed: int | None) -> Iterator[np.ndarray]:
+    """Decoder-only generation: prefill the prompt, then one token per step through the cache runner.
+    Yields the tokens so far (batch, prompt + generated)."""
+    kv = manifest_data.get("kv_cache")
+    if not kv or manifest_data["model"]["task"] != "causal-lm":
+        raise ArtifactError("this artifact cannot generate: it is not a causal-lm decoder compiled with a KV cache; "
+                            "compile a *ForCausalLM checkpoint with kiln compile (target cpu)")
+    check_request(kv, prompt.ids.shape[1], max_new_tokens, sampling, int(manifest_data["model"]["max_sequence_length"]))
+    runner = runtime.cache_runner(kv, prompt.ids.shape[0])
+    mask = prompt.mask
+
+    def advance(tokens: np.ndarray | None) -> np.ndarray:
+        nonlocal mask
+        if tokens is None:
+            return runner.step(prompt.ids, mask)[:, -1]
+        mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], 1)
+        return runner.step(tokens[:, None], mask)[:, -1]
+
+    return decode(prompt.ids, advance, runner.close, max_new_tokens, sampling, stop_ids, pad_id, seed)
+
+
+def seq2seq_steps(start_runner: Callable[[np.ndarray, np.ndarray], Any], manifest_data: dict[str, Any], source: Prompt,
+                  max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int], pad_id: int,
+                  seed: int | None) -> Iterator[np.ndarray]:
+    """Encoder-decoder generation: ``start_runner(ids, mask)`` encodes the (right-padded) source once;
+    yields the decoder tokens so far (batch, 1 + generated), starting with the decoder start token."""
+    check_request(manifest_data["kv_cache"], 1, max_new_tokens, sampling, int(manifest_data["model"]["max_sequence_length"]))
+    start = int(manifest_data["generation"]["decoder_start_token_id"])
+    seqs = np.full((source.ids.shape[0], 1), start, np.int64)
+    runner = start_runner(source.ids, source.mask)
+
+    def advance(tokens: np.ndarray | None) -> np.ndarray:
+        return runner.step(seqs[:, -1:] if tokens is None else tokens[:, None])[:, -1]
+
+    return decode(seqs, advance, runner.close, max_new_tokens, sampling, stop_ids, pad_id, seed)
 
 
 def stream_text(decode: Callable[[list[int]], str], tokens: list[int]) -> tuple[str, int]:

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import ArtifactError, InputError
+from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import Runtime, prepare_feeds
-from kiln.runtimes.generation import as_prompt, check_capacity, steps, stream_text
-from kiln.runtimes.sampling import Sampling, choose
+from kiln.runtimes.generation import as_prompt, as_source, seq2seq_steps, steps, stream_text
+from kiln.runtimes.sampling import Sampling
 from kiln.runtimes.tokenizer import TextEncoder
 
 
@@ -85,7 +85,8 @@ class Model:
     def _steps(self, input_ids: Any, attention_mask: Any | None, max_new_tokens: int, sampling: Sampling,
                stop: list[int], pad: int, seed: int | None) -> Iterator[np.ndarray]:
         if "decoder" in self.runtimes:
-            return self._seq2seq_steps(input_ids, attention_mask, max_new_tokens, sampling, stop, pad, seed)
+            return seq2seq_steps(self.seq2seq_runner, self.manifest.data, as_source(input_ids, attention_mask, pad),
+                                 max_new_tokens, sampling, stop, pad, seed)
         prompt = as_prompt(input_ids, attention_mask, pad)
         return steps(self.runtime, self.manifest.data, prompt, max_new_tokens, sampling, stop, pad, seed)
 
@@ -94,42 +95,6 @@ class Model:
         cross = self.runtimes["encoder"].run(prepare_feeds(self.manifest.inputs, {"input_ids": input_ids,
                                              "attention_mask": attention_mask}, self.max_sequence_length))
         return self.runtimes["decoder"].seq2seq_runner(self.manifest.data["kv_cache"], cross, attention_mask)
-
-    def _seq2seq_steps(self, input_ids: Any, attention_mask: Any | None, max_new_tokens: int, sampling: Sampling,
-                       stop: list[int], pad: int, seed: int | None) -> Iterator[np.ndarray]:
-        """Token ids (batch, 1 + new) after each step, starting with the decoder start token as Hugging Face's do."""
-        if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, np.ndarray)):
-            width = max(len(r) for r in input_ids)
-            if not width or not all(len(r) for r in input_ids):
-                raise InputError("every source text needs at least one token; drop empty ones")
-            ids = np.full((len(input_ids), width), pad, np.int64)
-            attention_mask = np.zeros_like(ids)
-            for i, r in enumerate(input_ids):
-                ids[i, :len(r)], attention_mask[i, :len(r)] = r, 1
-        else:
-            ids = np.asarray(input_ids, dtype=np.int64)
-            ids = ids[None] if ids.ndim == 1 else ids
-            attention_mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens {max_new_tokens} must be at least 1")
-        sampling.check()
-        check_capacity(self.manifest.data["kv_cache"], 1, max_new_tokens, self.max_sequence_length)
-        rng = np.random.default_rng(seed)
-        start = int(self.manifest.data["generation"]["decoder_start_token_id"])
-        seqs = np.full((ids.shape[0], 1), start, np.int64)
-        finished = np.zeros(ids.shape[0], dtype=bool)
-        runner = self.seq2seq_runner(ids, attention_mask)
-        try:
-            for _ in range(max_new_tokens):
-                logits = runner.step(seqs[:, -1:])[:, -1]
-                nxt = np.where(finished, pad, choose(logits, seqs, sampling, rng))
-                seqs = np.concatenate([seqs, nxt[:, None]], 1)
-                finished |= np.isin(nxt, stop)
-                yield seqs
-                if finished.all():
-                    break
-        finally:
-            runner.close()
 
     def stream(self, prompt: str, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,

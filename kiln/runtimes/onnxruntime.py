@@ -99,10 +99,7 @@ class BoundSeq2SeqCache(Seq2SeqRunner):
             self.binding.bind_ortvalue_input(past, self.past[past])
         for name in self.outputs:
             self.binding.bind_output(name)
-        try:
-            self.session.run_with_iobinding(self.binding)
-        except Exception as e:
-            raise _failure(e) from e
+        _run_bound(self.session, self.binding)
         values = self.binding.get_outputs()
         self.past = {past: values[1 + i] for i, (past, _) in enumerate(self.pairs)}
         return values[0].numpy()
@@ -132,14 +129,18 @@ class SharedBufferCache(CacheRunner):
         self.binding.bind_cpu_input("input_ids", ids)
         self.binding.bind_cpu_input("attention_mask", mask)
         self.binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        try:
-            self.session.run_with_iobinding(self.binding)
-        except Exception as e:
-            raise _failure(e) from e
+        _run_bound(self.session, self.binding)
         return logits
 
     def close(self) -> None:
         self.buffers = {}
+
+
+def _run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
+    try:
+        session.run_with_iobinding(binding)
+    except Exception as e:  # feeds were validated: a failure here is the graph's
+        raise _failure(e) from e
 
 
 def _failure(e: Exception) -> ArtifactError:
