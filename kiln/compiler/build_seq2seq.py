@@ -15,6 +15,7 @@ from kiln.compiler import seq2seq
 from kiln.compiler.artifact import write_manifest
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
+from kiln.compiler.verify import failures
 from kiln.errors import ParityError, UnsupportedModelError
 from kiln.passes import check_disabled, run_passes
 from kiln.passes.cleanup import EliminateDeadNodes
@@ -89,9 +90,7 @@ def build_seq2seq(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Ca
     if not gen["passed"]:
         kept = Path(tempfile.mkdtemp(prefix="kiln-parity-")) / REPORT
         kept.write_text(json.dumps(report, indent=2))
-        why = gen.get("error") or (f"{len(gen['wrong_tokens'])} wrong decisive token(s), step logits at "
-                                   f"{gen['max_abs_over_atol']:.3g}x the tolerance, tokens identical {gen['tokens_identical']}")
-        raise ParityError(f"parity check failed for {ckpt.path}: greedy generation: {why}; no artifact written, "
+        raise ParityError(f"parity check failed for {ckpt.path}: {'; '.join(failures(report))}; no artifact written, "
                           f"full report in {kept}")
     (root / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     manifest["verification"] = {"status": "passed", "report": REPORT, "summary": {},

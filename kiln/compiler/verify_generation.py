@@ -7,12 +7,13 @@ with the reference's; then the artifact's own ``generate`` must reproduce the re
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from kiln.compiler.verify import TOLERANCES
+from kiln.compiler.verify import TOLERANCES, Tolerance
 from kiln.errors import KilnError
 from kiln.runtimes.generation import pad_rows
 
@@ -29,22 +30,34 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
     ref_logits = np.stack([s.float().numpy() for s in ref.logits])  # (steps, batch, vocab)
 
     base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows]}
-    try:
-        return {**base, **_compare(artifact, prompt, ref_tokens, ref_logits, steps, tol, pad_id)}
-    except KilnError as e:  # the cached graph failed to run at all
-        return {**base, "passed": False, "error": str(e), "tokens_identical": False, "max_abs_over_atol": float("inf"),
-                "ties": 0, "wrong_tokens": []}
+    kv = artifact.manifest.data["kv_cache"]
+
+    def teacher_forced() -> Iterator[np.ndarray]:
+        runner = artifact.runtime.cache_runner(kv, len(rows))
+        mask = prompt.mask
+        try:
+            yield runner.step(prompt.ids, mask)[:, -1]
+            for t in range(steps - 1):
+                mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], 1)
+                yield runner.step(ref_tokens[:, t:t + 1], mask)[:, -1]
+        finally:
+            runner.close()
+
+    def generated() -> np.ndarray:
+        out = artifact.generate(prompt.ids, prompt.mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad_id)
+        return out[:, prompt.ids.shape[1]:]
+
+    return {**base, **compare_steps(teacher_forced, ref_logits, ref_tokens, generated, tol)}
 
 
-def _compare(artifact: Any, prompt: Any, ref_tokens: np.ndarray, ref_logits: np.ndarray, steps: int, tol: Any,
-             pad_id: int) -> dict[str, Any]:
-    rows = prompt.ids.shape[0]
-    runner = artifact.runtime.cache_runner(artifact.manifest.data["kv_cache"], rows)
-    mask = prompt.mask
+def compare_steps(teacher_forced: Callable[[], Iterator[np.ndarray]], ref_logits: np.ndarray, ref_next: np.ndarray,
+                  generated: Callable[[], np.ndarray], tol: Tolerance, allow_ties: bool = True) -> dict[str, Any]:
+    """Compare the artifact's step logits (fed the reference's tokens) with the reference's, then the
+    artifact's own greedy tokens with the reference's. ``ref_logits`` (steps, batch, vocab), ``ref_next``
+    (batch, steps): the token the reference chose at each step. Shared by decoders and encoder-decoders."""
     worst, atol, ties, wrong, cos_min, decisive_n = 0.0, 0.0, 0, [], 1.0, 0
     try:
-        logits = runner.step(prompt.ids, mask)[:, -1]
-        for t in range(steps):
+        for t, logits in enumerate(teacher_forced()):
             r = ref_logits[t].astype(np.float64)
             a = tol.abs_factor * max(1.0, float(np.abs(r).max()))
             worst, atol = max(worst, float(np.abs(logits - r).max() / a)), a
@@ -53,18 +66,15 @@ def _compare(artifact: Any, prompt: Any, ref_tokens: np.ndarray, ref_logits: np.
             decisive_n += int(decisive.sum())
             cos = (logits * r).sum(-1) / np.maximum(np.linalg.norm(logits, axis=-1) * np.linalg.norm(r, axis=-1), 1e-30)
             cos_min = min(cos_min, float(cos.min()))
-            differs = logits.argmax(-1) != ref_tokens[:, t]
+            differs = logits.argmax(-1) != ref_next[:, t]
             ties += int((differs & ~decisive).sum())
             wrong += [(t, int(b)) for b in np.flatnonzero(differs & decisive)]
-            if t + 1 < steps:
-                mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], 1)
-                logits = runner.step(ref_tokens[:, t:t + 1], mask)[:, -1]
-    finally:
-        runner.close()
-    generated = artifact.generate(prompt.ids, prompt.mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad_id)
-    identical = bool(np.array_equal(generated[:, prompt.ids.shape[1]:], ref_tokens))
+        identical = bool(np.array_equal(generated(), ref_next))
+    except KilnError as e:  # the cached graph failed to run at all
+        return {"passed": False, "error": str(e), "tokens_identical": False, "max_abs_over_atol": float("inf"),
+                "ties": 0, "wrong_tokens": []}
     if tol.min_cosine is None:  # exact precisions: every step within the abs bound, every decisive token right
-        passed = worst <= 1.0 and not wrong and (identical or ties > 0)
+        passed = worst <= 1.0 and not wrong and (identical or (allow_ties and ties > 0))
     else:  # quantized: step logits close in direction, decisive tokens mostly right
         agreement = 1.0 - len(wrong) / max(decisive_n, 1)
         passed = cos_min >= tol.min_cosine and agreement >= tol.min_top1
