@@ -39,6 +39,8 @@ def _check_options(options: CompileOptions) -> None:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
     if options.max_length is not None and options.max_length < 2:
         raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
+    if (options.max_drop or options.calibration) and options.precision != "int8":
+        raise UsageError("--max-drop and --calibration set the INT8 accuracy budget; add --precision int8")
     if options.target not in TARGETS:
         raise UsageError(f"target {options.target!r} is not supported; choose one of {', '.join(TARGETS)}")
     if options.task is not None and options.task not in TASKS:

@@ -16,7 +16,7 @@ from kiln.compiler.artifact import write_manifest
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.verify import failures
-from kiln.errors import ParityError, UnsupportedModelError
+from kiln.errors import ParityError, UnsupportedModelError, UsageError
 from kiln.passes import check_disabled, run_passes
 from kiln.passes.cleanup import EliminateDeadNodes
 from kiln.passes.decompose_norm import DecomposeNorm
@@ -33,6 +33,9 @@ def build_seq2seq(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Ca
 
     from kiln.compiler.pipeline import CLEANUP, FusionCoverageError, ModelFacts
 
+    if options.precision != "fp32":
+        raise UsageError(f"{ckpt.architecture} compiles at --precision fp32 only; INT8 encoder-decoders are not "
+                         "supported yet")
     if options.target != "cpu":
         raise UnsupportedModelError(f"{ckpt.architecture} compiles for --target cpu only; encoder-decoder TensorRT "
                                     "graphs are not supported yet")

@@ -99,3 +99,10 @@ def test_cli_budget_on_a_tiny_encoder(checkpoints, tmp_path, capsys):
     rc = main(["compile", str(checkpoints["bert"]), "-o", str(tmp_path / "e"), "-q", "--precision", "int8",
                "--max-drop", "cosine=0.99", "--calibration", str(empty)])
     assert rc == 2 and "has 0 usable texts" in capsys.readouterr().err and not (tmp_path / "e").exists()
+
+
+def test_budget_without_int8_is_a_usage_error(checkpoints, tmp_path, capsys):
+    from kiln.compiler.cli import main
+
+    assert main(["compile", str(checkpoints["bert"]), "-o", str(tmp_path / "x"), "-q", "--max-drop", "cosine=0.99"]) == 2
+    assert "add --precision int8" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -104,3 +104,13 @@ def test_cli_run_points_to_generate(seq2seq_artifacts, capsys):
 
     assert main(["run", str(seq2seq_artifacts["bart"]), "--text", "hello"]) == 2
     assert "use kiln generate" in capsys.readouterr().err
+
+
+def test_int8_encoder_decoder_is_refused(tmp_path, capsys):
+    from conftest import save_checkpoint
+    from kiln.compiler.cli import main
+
+    ckpt = save_checkpoint(tmp_path / "t5", "t5", "text2text")
+    assert main(["compile", str(ckpt), "-o", str(tmp_path / "q"), "-q", "--precision", "int8"]) == 2
+    assert "compiles at --precision fp32 only" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
