@@ -17,7 +17,8 @@ from kiln import __version__
 from kiln.compiler import cases as case_lib
 from kiln.compiler.artifact import check_output, staging, tool_versions, write_manifest
 from kiln.compiler.load import Checkpoint, load_checkpoint
-from kiln.compiler.options import PRECISIONS, TARGETS, TASKS, CompileOptions
+from kiln.compiler import int8
+from kiln.compiler.options import CALIBRATION_METHODS, PRECISIONS, TARGETS, TASKS, CompileOptions
 from kiln.compiler.pipeline import ModelFacts, check_coverage, select_passes
 from kiln.compiler.trace import EagerRunner, export, io_specs
 from kiln.compiler.verify import failures, latency, verify
@@ -39,8 +40,14 @@ def _check_options(options: CompileOptions) -> None:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
     if options.max_length is not None and options.max_length < 2:
         raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
-    if (options.max_drop or options.calibration) and options.precision != "int8":
-        raise UsageError("--max-drop and --calibration set the INT8 accuracy budget; add --precision int8")
+    if (options.max_drop or options.calibration or options.static or options.smoothquant is not None) \
+            and options.precision != "int8":
+        raise UsageError("--max-drop, --calibration, --static and --smoothquant configure INT8; add --precision int8")
+    if options.calibration_method not in CALIBRATION_METHODS:
+        raise UsageError(f"--calibration-method {options.calibration_method!r} is unknown; choose one of "
+                         f"{', '.join(CALIBRATION_METHODS)}")
+    if options.smoothquant is not None and not 0.0 <= options.smoothquant <= 1.0:
+        raise UsageError(f"--smoothquant {options.smoothquant}: alpha must be in [0, 1] (0.5 is typical)")
     if options.target not in TARGETS:
         raise UsageError(f"target {options.target!r} is not supported; choose one of {', '.join(TARGETS)}")
     if options.task is not None and options.task not in TASKS:
@@ -72,15 +79,15 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
     graph_files = export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
     facts = model_facts(ckpt)
-    passes = select_passes(facts, options.precision, options.target)
+    passes = select_passes(facts, options.precision, options.target, options.static)
     check_disabled(passes, options.disabled_passes)
     record: list[dict[str, Any]] = []
     target_info: dict[str, Any] = {}
     if passes:
         import onnx
 
-        if options.max_drop and options.precision == "int8":
-            model, record = int8_with_budget(ckpt, onnx.load(str(root / GRAPH)), passes, options, say)
+        if int8.needs_data(options):
+            model, record = int8.quantize_graph(ckpt, onnx.load(str(root / GRAPH)), passes, facts, options, say)
         else:
             model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)
         for problem in check_coverage(record, facts, options.allow_partial_fusion):
@@ -134,74 +141,18 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
             f"parity check failed for {ckpt.path}: {'; '.join(problems[:3])}{more}; "
             f"no artifact written, full report in {kept}"
         )
+    int8_summary = int8.cost_and_gain(record, report)
+    if int8_summary:
+        report["quantization"] = int8_summary
     (root / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     manifest["verification"] = {"status": "passed", "report": REPORT, "summary": report["summary"],
                                 "latency": report.get("latency")}
+    if int8_summary:
+        manifest["verification"]["quantization"] = int8_summary
     if "generation" in report:
         manifest["verification"]["generation"] = {k: report["generation"][k] for k in
                                                   ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}
     write_manifest(root, manifest)
-
-
-def int8_with_budget(ckpt: Checkpoint, graph: Any, passes: list, options: CompileOptions, say: Progress):
-    """Run the FP32 part of the pipeline, search which weights stay FP32, then quantize with that choice."""
-    import onnxruntime as ort
-
-    from kiln.compiler import quantize
-    from kiln.passes.quantize_int8 import QuantizeDynamicInt8
-
-    if ckpt.kind != "encoder":
-        raise UsageError(f"--max-drop is available for encoders (cosine) only so far; compile {ckpt.architecture} "
-                         "with --precision int8 without it")
-    _, min_cos = quantize.parse_budget(options.max_drop)
-    texts = quantize.read_texts(options.calibration)
-    tok = case_lib.load_hf_tokenizer(ckpt.path)
-    if tok is None:
-        raise UsageError(f"--max-drop needs the checkpoint's tokenizer to read calibration text; {ckpt.path} has none")
-    inputs = [s.name for s in io_specs(ckpt)[0]]
-    limit = min(ckpt.max_length, 128)
-
-    def batches(rows: list[str]) -> list[dict]:
-        out = []
-        for i in range(0, len(rows), 16):
-            enc = tok(rows[i:i + 16], padding=True, truncation=True, max_length=limit, return_tensors="np")
-            ids = enc["input_ids"].astype(np.int64)
-            if (enc["attention_mask"].sum(1) <= 2).all():
-                continue
-            out.append(case_lib.make_feeds(ids, enc["attention_mask"].astype(np.int64), inputs))
-        return out
-
-    cal_texts, held_texts = quantize.split(texts)
-    cal, held = batches(cal_texts), batches(held_texts)
-    if not cal or not held:
-        raise UsageError(f"calibration text {options.calibration or '(default)'} has no usable tokens for "
-                         f"{ckpt.path}'s tokenizer; give real sentences in the model's language")
-    cut = next(i for i, p in enumerate(passes) if p.name == "quantize-int8")
-    fp32, record = run_passes(graph, passes[:cut], options.disabled_passes, say)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = options.threads or 0
-
-    def run(model: Any, feeds: list[dict]) -> np.ndarray:
-        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        names = {i.name for i in sess.get_inputs()}
-        rows = []
-        for f in feeds:
-            out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in f.items() if k in names})))
-            if "sentence_embedding" in out:
-                rows.append(out["sentence_embedding"])
-            else:
-                first = next(iter(out.values()))
-                m = f["attention_mask"][..., None]
-                rows.append((first * m).sum(1) / m.sum(1) if first.ndim == 3 else first)
-        return np.concatenate(rows).astype(np.float64)
-
-    result = quantize.search(fp32, run, cal, held, min_cos, say)
-    say(f"int8 budget: {len(result['kept_fp32'])} of {result['weights']} weights kept FP32; held-out min cosine "
-        f"{result['heldout_cosine_min']:.5f} (budget {min_cos})")
-    rest = [QuantizeDynamicInt8(keep_fp32=tuple(result["kept_fp32"])), *passes[cut + 1:]]
-    model, tail = run_passes(fp32, rest, options.disabled_passes, say)
-    tail[0]["budget"] = {k: v for k, v in result.items() if k != "model"}
-    return model, record + tail
 
 
 def model_facts(ckpt: Checkpoint) -> ModelFacts:

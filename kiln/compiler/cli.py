@@ -31,7 +31,7 @@ class _Progress:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kiln.compiler.options import PRECISIONS, TARGETS, TASKS, CompileOptions
+    from kiln.compiler.options import CALIBRATION_METHODS, PRECISIONS, TARGETS, TASKS, CompileOptions
 
     d = CompileOptions()
     p = argparse.ArgumentParser(prog="kiln", description="Compile Transformers into verified deployment artifacts.")
@@ -56,9 +56,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
                    help="longest random sequence in the parity check")
     c.add_argument("--max-drop", default=d.max_drop, metavar="METRIC=VALUE",
-                   help="int8 accuracy budget, e.g. cosine=0.995 (encoders): sensitive weights stay FP32 until it holds")
+                   help="int8 accuracy budget: cosine=0.995 (encoders), ppl=2 (percent), top1=0.98 or kl=0.01 "
+                        "(decoders); sensitive weights stay FP32 until it holds on held-out text")
     c.add_argument("--calibration", default=d.calibration, metavar="FILE",
-                   help="texts (one per line, or JSONL with a text field) for the int8 budget")
+                   help="texts (one per line, or JSONL with a text field) for int8 calibration and the budget")
+    c.add_argument("--static", action="store_true",
+                   help="int8 in QDQ form with calibrated activation ranges (always on for --target tensorrt)")
+    c.add_argument("--calibration-method", choices=CALIBRATION_METHODS, default=d.calibration_method,
+                   help="static int8 activation ranges: minmax, percentile (99.99) or entropy (KL)")
+    c.add_argument("--smoothquant", type=float, default=d.smoothquant, metavar="ALPHA",
+                   help="migrate activation outliers into the weights before int8 (alpha in [0, 1], 0.5 typical)")
     c.add_argument("--max-length", type=int, default=d.max_length,
                    help="decoders: KV-cache capacity, prompt + new tokens (default: the model's maximum)")
     c.add_argument("--seed", type=int, default=d.seed)
@@ -116,7 +123,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     opts = CompileOptions(
         task=args.task, precision=args.precision, target=args.target, opset=args.opset, verify=args.verify, force=args.force,
         threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed, max_length=args.max_length,
-        max_drop=args.max_drop, calibration=args.calibration,
+        max_drop=args.max_drop, calibration=args.calibration, static=args.static,
+        calibration_method=args.calibration_method, smoothquant=args.smoothquant,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
@@ -149,6 +157,15 @@ def parity_table(manifest: dict[str, Any]) -> str:
         b, t = lat["shape"]
         lines.append(f"  latency batch {b} seq {t}: eager {lat['eager_ms']:.2f} ms, artifact {lat['artifact_ms']:.2f} ms "
                      f"({lat['speedup']:.2f}x)")
+    q = v.get("quantization")
+    if q:
+        cost = [f"min cosine {q['cosine_min_vs_eager']:.4f}"] + ([f"top-1 {q['top1_vs_eager']:.1%}"] if q["top1_vs_eager"] is not None else [])
+        if "budget" in q:
+            b = q["budget"]
+            cost.append(f"held-out {b['metric']} {b['heldout']:.4g} (budget {b['value']})")
+        gain = f"{q['speedup_vs_eager']:.2f}x eager" if q.get("speedup_vs_eager") else "not measured"
+        lines.append(f"  int8 ({q['pass']}): {q['quantized']} weights INT8, {q['kept_fp32']} kept FP32; cost vs eager FP32: "
+                     f"{', '.join(cost)}; speed: {gain}")
     return "\n".join(lines)
 
 

@@ -7,7 +7,9 @@ from typing import Any
 
 TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm", "text2text-generation")
 PRECISIONS = ("fp32", "int8")
-"""int8: dynamic, weights int8 per output channel, activations quantized at run time (cpu target)."""
+"""int8: weights int8 per output channel; activations quantized at run time (dynamic, the cpu default) or
+with calibrated ranges in QDQ form (``static``; always on the tensorrt target, symmetric there)."""
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 TARGETS = ("cpu", "tensorrt")
 """cpu: ONNX Runtime's contrib-op graph; tensorrt: standard-op graph for TensorRT's parser (also runs on ONNX Runtime)."""
 
@@ -35,7 +37,14 @@ class CompileOptions:
     max_drop: str | None = None
     """INT8 accuracy budget, e.g. "cosine=0.995" (encoders): weights stay FP32 until it holds on held-out text."""
     calibration: str | None = None
-    """Text file (one text per line) or JSONL ("text" field) for the INT8 budget; default: Python docs sentences."""
+    """Text file (one text per line) or JSONL ("text" field) for INT8 calibration and the budget; default: Python
+    docs sentences. A quarter of the texts (by hash) is held out to measure the budget."""
+    static: bool = False
+    """INT8 in QDQ form with activation ranges calibrated on text, instead of ranges measured at run time."""
+    calibration_method: str = "minmax"
+    """How static INT8 turns activation statistics into a range: minmax, percentile (99.99) or entropy (KL)."""
+    smoothquant: float | None = None
+    """SmoothQuant alpha in [0, 1] (0.5 typical): move activation outliers into the weights before INT8."""
     max_length: int | None = None
     """Decoders: KV-cache capacity (prompt + new tokens) the runtime allocates; None: the model's maximum."""
     disabled_passes: tuple[str, ...] = ()

@@ -15,6 +15,7 @@ from kiln.passes.cleanup import (
     EliminateIdentity,
     EliminateUnusedIO,
     FoldConstants,
+    GemmToMatMul,
 )
 from kiln.passes.canonicalize_attention import CanonicalizeAttention
 from kiln.passes.check_tensorrt import CheckTensorRTOps
@@ -25,6 +26,7 @@ from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
 from kiln.passes.fuse_mha import FuseMultiHeadAttention
 from kiln.passes.kv_cache import AddKVCache
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
+from kiln.passes.quantize_qdq import QuantizeStaticQDQ
 from kiln.passes.pin_norms import PinNormsFP32
 
 
@@ -92,11 +94,20 @@ PIPELINES[("cpu", "encoder", "int8")] = [
     lambda f: FuseMultiHeadAttention(f.num_heads, f.head_size),
     lambda f: FuseBiasGelu(),
     lambda f: DecomposeNorm(),
+    lambda f: GemmToMatMul(),
     lambda f: QuantizeDynamicInt8(),
     lambda f: EliminateDeadNodes(),
 ]
 PIPELINES[("cpu", "decoder", "int8")] = [
-    *PIPELINES[("cpu", "decoder", "fp32")][:-1], lambda f: QuantizeDynamicInt8(), lambda f: EliminateDeadNodes()]
+    *PIPELINES[("cpu", "decoder", "fp32")][:-1], lambda f: GemmToMatMul(), lambda f: QuantizeDynamicInt8(),
+    lambda f: EliminateDeadNodes()]
+# Static INT8 (QDQ): the same graphs with calibrated Quantize/DequantizeLinear pairs, asymmetric uint8
+# activations on ONNX Runtime CPU, symmetric int8 for TensorRT (its only kind; the gate checks it).
+for _kind in ("encoder", "decoder"):
+    PIPELINES[("cpu", _kind, "int8-static")] = [
+        *PIPELINES[("cpu", _kind, "int8")][:-2], lambda f: QuantizeStaticQDQ(), lambda f: EliminateDeadNodes()]
+    PIPELINES[("tensorrt", _kind, "int8-static")] = [
+        *TENSORRT[:-2], lambda f: GemmToMatMul(), lambda f: QuantizeStaticQDQ(symmetric=True), *TENSORRT[-2:]]
 
 # pass name -> (stat that counts fusions, expected count per layer); checked after the pipeline
 COVERAGE: dict[str, tuple[str, int]] = {
@@ -108,10 +119,12 @@ COVERAGE: dict[str, tuple[str, int]] = {
 }
 
 
-def select_passes(facts: ModelFacts, precision: str, target: str = "cpu") -> list[Pass]:
-    pipeline = PIPELINES.get((target, facts.kind, precision))
+def select_passes(facts: ModelFacts, precision: str, target: str = "cpu", static: bool = False) -> list[Pass]:
+    """The pipeline for a target, model kind and precision; TensorRT's INT8 is always static (QDQ)."""
+    key = f"{precision}-static" if precision == "int8" and (static or target == "tensorrt") else precision
+    pipeline = PIPELINES.get((target, facts.kind, key))
     if pipeline is None:
-        raise UsageError(f"precision {precision} is not available for {facts.kind} models on target {target}; "
+        raise UsageError(f"precision {key} is not available for {facts.kind} models on target {target}; "
                         f"compile with --precision fp32 or --target cpu")
     return [make(facts) for make in pipeline]
 

@@ -1,8 +1,12 @@
 """The INT8 accuracy budget: which weights stay FP32 so that a measured accuracy drop holds.
 
-``--max-drop cosine=0.995`` (encoders): the pooled output of the INT8 graph must keep at least this
-cosine similarity with the FP32 graph on every calibration text. Procedure:
-1. measure each weight's sensitivity: quantize it alone and record the worst cosine;
+``--max-drop METRIC=VALUE``, measured against the FP32 graph on calibration text:
+- ``cosine=V`` (encoders): every text's pooled output keeps cosine >= V;
+- ``ppl=P`` (decoders): perplexity rises by at most P percent;
+- ``top1=A`` (decoders): the next-token argmax agrees on at least a fraction A of positions;
+- ``kl=K`` (decoders): the mean KL divergence of next-token distributions is at most K.
+Procedure:
+1. measure each weight's sensitivity: quantize it alone and record the metric;
 2. quantize everything; while the calibration split misses the budget with a quarter of the allowed
    drop to spare, return the most sensitive remaining weight to FP32;
 3. measure the chosen graph once on the held-out split (texts never used above) and record it.
@@ -16,6 +20,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +28,7 @@ import numpy as np
 import onnx
 
 from kiln.errors import KilnError, UsageError
-from kiln.passes import run_passes
-from kiln.passes.graph import Graph
-from kiln.passes.quantize_int8 import QuantizeDynamicInt8
+from kiln.passes.quantize_qdq import candidates
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +37,90 @@ class AccuracyBudgetError(KilnError):
     """No choice of FP32 layers meets the requested accuracy drop."""
 
 
-def parse_budget(text: str) -> tuple[str, float]:
+@dataclass(frozen=True)
+class Budget:
+    metric: str
+    value: float
+
+    def drop(self, measured: float) -> float:
+        """How far from lossless a measurement is, in the budget's units (0 = identical to FP32)."""
+        return 1.0 - measured if self.metric in ("cosine", "top1") else measured
+
+    @property
+    def limit(self) -> float:
+        return self.drop(self.value)
+
+    def holds(self, measured: float) -> bool:
+        return self.drop(measured) <= self.limit + 1e-12
+
+    def measure(self, ref: list[np.ndarray], got: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> float:
+        if self.metric == "cosine":
+            return min_cosine(np.concatenate(ref), np.concatenate(got))
+        return next_token_metrics(ref, got, feeds)[self.metric]
+
+
+# metric -> (model kind, what it means, valid range)
+METRICS = {"cosine": ("encoder", "minimum pooled-output cosine vs FP32, e.g. cosine=0.995"),
+           "ppl": ("decoder", "perplexity increase in percent, e.g. ppl=2"),
+           "top1": ("decoder", "next-token top-1 agreement with FP32, e.g. top1=0.98"),
+           "kl": ("decoder", "mean next-token KL divergence from FP32, e.g. kl=0.01")}
+
+
+LABELS = {"cosine": "minimum cosine", "ppl": "perplexity increase (%)", "top1": "top-1 agreement", "kl": "mean KL"}
+
+
+def parse_budget(text: str, kind: str | None = None) -> Budget:
     metric, _, value = text.partition("=")
-    if metric != "cosine" or not value:
-        raise UsageError(f"--max-drop {text!r}: give cosine=VALUE (minimum pooled-output cosine vs FP32, e.g. cosine=0.995)")
+    if metric not in METRICS or not value:
+        choices = "; ".join(f"{m}=VALUE ({kind_}: {what})" for m, (kind_, what) in METRICS.items())
+        raise UsageError(f"--max-drop {text!r}: give one of {choices}")
     try:
         v = float(value)
     except ValueError as e:
         raise UsageError(f"--max-drop {text!r}: {value!r} is not a number") from e
-    if not 0 < v <= 1:
-        raise UsageError(f"--max-drop {text!r}: a cosine must be in (0, 1]")
-    return metric, v
+    if metric in ("cosine", "top1") and not 0 < v <= 1:
+        raise UsageError(f"--max-drop {text!r}: a {metric} must be in (0, 1]")
+    if metric in ("ppl", "kl") and not v >= 0:
+        raise UsageError(f"--max-drop {text!r}: a {metric} increase cannot be negative")
+    if kind is not None and METRICS[metric][0] != kind:
+        fits = ", ".join(m for m, (k, _) in METRICS.items() if k == kind) or "none"
+        raise UsageError(f"--max-drop {metric} is measured on {METRICS[metric][0]}s; for this {kind} use {fits}")
+    return Budget(metric, v)
+
+
+def min_cosine(ref: np.ndarray, got: np.ndarray) -> float:
+    """The worst row's cosine similarity between two (rows, features) arrays."""
+    ref, got = ref.astype(np.float64), got.astype(np.float64)
+    norms = np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1), 1e-30)
+    return float(np.min((got * ref).sum(1) / norms))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def next_token_metrics(ref: list[np.ndarray], got: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Perplexity increase (%), top-1 agreement and mean KL(FP32 || quantized) over the real next-token positions.
+
+    ``ref``/``got``: logits (batch, seq, vocab) per feed; a position counts when it and the next token are not padding."""
+    nll_ref = nll_got = agree = kl = 0.0
+    count = 0
+    for r, g, f in zip(ref, got, feeds):
+        ids, mask = f["input_ids"], f["attention_mask"].astype(bool)
+        valid = mask[:, :-1] & mask[:, 1:]
+        lr, lg = log_softmax(r[:, :-1][valid]), log_softmax(g[:, :-1][valid])
+        target = ids[:, 1:][valid]
+        rows = np.arange(len(target))
+        nll_ref -= float(lr[rows, target].sum())
+        nll_got -= float(lg[rows, target].sum())
+        agree += float((lr.argmax(-1) == lg.argmax(-1)).sum())
+        kl += float((np.exp(lr) * (lr - lg)).sum())
+        count += len(target)
+    if count == 0:
+        raise UsageError("the calibration text gives no next-token positions; give texts of at least two tokens")
+    return {"ppl": 100.0 * (np.exp((nll_got - nll_ref) / count) - 1.0), "top1": agree / count, "kl": kl / count}
 
 
 def read_texts(path: str | None) -> list[str]:
@@ -78,45 +154,42 @@ def split(texts: Sequence[str]) -> tuple[list[str], list[str]]:
     return cal, held
 
 
-def weights(model: onnx.ModelProto) -> list[str]:
-    g = Graph(model)
-    return [n.input[1] for n in g.g.node if n.op_type == "MatMul" and g.constant(n.input[1]) is not None
-            and g.constant(n.input[1]).ndim == 2 and g.constant(n.input[1]).size >= 1024]
+Run = Callable[[onnx.ModelProto, list[dict[str, np.ndarray]]], list[np.ndarray]]
 
 
-def search(fp32: onnx.ModelProto, run: Callable[[onnx.ModelProto, list[dict[str, np.ndarray]]], np.ndarray],
-           cal: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]], min_cosine: float,
+def search(fp32: onnx.ModelProto, quantized: Callable[[Sequence[str]], onnx.ModelProto], run: Run,
+           cal: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]], budget: Budget,
            say: Callable[[str], None]) -> dict[str, Any]:
-    """Choose the FP32 weights; ``run(model, feeds) -> pooled outputs (rows, features)``."""
-
-    def quantized(keep: Sequence[str]) -> onnx.ModelProto:
-        return run_passes(fp32, [QuantizeDynamicInt8(keep_fp32=tuple(keep))])[0]
-
-    def worst(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], ref: np.ndarray) -> float:
-        got = run(model, feeds)
-        return float(np.min((got * ref).sum(1) / np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1), 1e-30)))
-
-    names = weights(fp32)
+    """Choose the FP32 weights. ``quantized(keep)`` builds the INT8 graph keeping ``keep`` in FP32;
+    ``run(model, feeds)`` returns the compared output per feed (pooled rows, or logits)."""
+    names = list(candidates(fp32))
     ref_cal, ref_held = run(fp32, cal), run(fp32, held)
+
+    def measured(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], ref: list[np.ndarray]) -> float:
+        return budget.measure(ref, run(model, feeds), feeds)
+
     say(f"int8 budget: sensitivity of {len(names)} weights on {sum(len(f['input_ids']) for f in cal)} calibration texts")
-    sens = {}
-    for n in names:
-        sens[n] = 1.0 - worst(quantized([x for x in names if x != n]), cal, ref_cal)
+    sens = {n: budget.drop(measured(quantized([x for x in names if x != n]), cal, ref_cal)) for n in names}
     order = sorted(names, key=lambda n: -sens[n])
     # aim past the budget on calibration (a quarter of the allowed drop to spare), so held-out text holds it too
-    target = 1.0 - 0.75 * (1.0 - min_cosine)
+    target = 0.75 * budget.limit
     keep: list[str] = []
-    cal_cos = worst(quantized(keep), cal, ref_cal)
-    while cal_cos < target and len(keep) < len(order):
+    cal_value = measured(quantized(keep), cal, ref_cal)
+    while budget.drop(cal_value) > target and len(keep) < len(order):
         keep.append(order[len(keep)])
-        cal_cos = worst(quantized(keep), cal, ref_cal)
+        cal_value = measured(quantized(keep), cal, ref_cal)
     model = quantized(keep)
-    held_cos = worst(model, held, ref_held)
-    result = {"metric": "cosine", "budget": min_cosine, "weights": len(names), "kept_fp32": keep,
-              "calibration_cosine_min": cal_cos, "heldout_cosine_min": held_cos,
+    held_value = measured(model, held, ref_held)
+    m = budget.metric
+    result = {"metric": m, "budget": budget.value, "weights": len(names), "kept_fp32": keep,
+              f"calibration_{m}": cal_value, f"heldout_{m}": held_value,
               "sensitivity": {n: round(sens[n], 6) for n in order}}
-    if held_cos < min_cosine:
+    if names and len(keep) == len(names) and budget.holds(held_value):
         raise AccuracyBudgetError(
-            f"--max-drop cosine={min_cosine} not met: with {len(keep)} of {len(names)} weights kept in FP32 the held-out "
-            f"minimum cosine is {held_cos:.5f} (calibration {cal_cos:.5f}); loosen the budget or compile --precision fp32")
+            f"--max-drop {m}={budget.value} is met only with all {len(names)} weights in FP32 (nothing left to quantize); "
+            f"loosen the budget or compile --precision fp32")
+    if not budget.holds(held_value):
+        raise AccuracyBudgetError(
+            f"--max-drop {m}={budget.value} not met: with {len(keep)} of {len(names)} weights kept in FP32 the held-out "
+            f"{LABELS[m]} is {held_value:.5f} (calibration {cal_value:.5f}); loosen the budget or compile --precision fp32")
     return {"model": model, **result}

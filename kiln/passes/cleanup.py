@@ -1,9 +1,11 @@
-"""Cleanup passes: Identity elimination, duplicate initializers, dead nodes and unused initializers."""
+"""Cleanup passes: Identity elimination, duplicate initializers, dead nodes and unused initializers, and
+Gemm rewritten as MatMul + Add for the quantizers."""
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import onnx
 
 from kiln.passes.base import Pass, PassResult, Reason
@@ -136,3 +138,40 @@ def _schema(node: onnx.NodeProto) -> onnx.defs.OpSchema | None:
         return onnx.defs.get_schema(node.op_type, domain=node.domain)
     except onnx.defs.SchemaError:
         return None
+
+
+class GemmToMatMul(Pass):
+    """Gemm with a constant weight -> MatMul + bias Add, so the quantizers see one weight-MatMul form
+    (GPT-2's Conv1D layers export as Gemm on 2-D views)."""
+
+    name = "gemm-to-matmul"
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        from onnx import helper
+
+        from kiln.passes.graph import attr
+
+        g = Graph(model)
+        done, skipped = 0, []
+        for handle in g.nodes_of("Gemm"):
+            node = g.node(handle)
+            where = node.name or handle
+            w = g.constant(node.input[1])
+            bias = g.constant(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            if w is None or w.ndim != 2 or attr(node, "transA", 0):
+                skipped.append(Reason(where, "weight is not a constant matrix, or A is transposed"))
+                continue
+            if bias is not None and bias.ndim > 1:
+                skipped.append(Reason(where, f"bias of shape {bias.shape} is not a vector"))
+                continue
+            w = (w.T if attr(node, "transB", 0) else w) * attr(node, "alpha", 1.0)
+            nodes = [helper.make_node("MatMul", [node.input[0], g.add_initializer(f"{node.input[1]}_mm", np.ascontiguousarray(w))],
+                                      [node.output[0] if bias is None else g.fresh(f"{where}_mm")], name=g.fresh("MatMul"))]
+            if bias is not None:
+                b = g.add_initializer(f"{node.input[2]}_bias", (bias * attr(node, "beta", 1.0)).astype(bias.dtype))
+                nodes.append(helper.make_node("Add", [nodes[0].output[0], b], [node.output[0]], name=g.fresh("Add")))
+            g.replace_nodes([node], nodes)
+            done += 1
+        if done:
+            g.prune()
+        return PassResult(g.model, done > 0, {"rewritten": done}, skipped)

@@ -206,11 +206,3 @@ def test_int8_compiles_and_verifies_with_the_int8_table(checkpoints, tmp_path, f
     assert 0.9 <= summary["cosine_min"] < 1.0  # quantized, and still close
     if family == "llama":
         assert manifest["verification"]["generation"]["steps"] == 16
-
-
-def test_int8_is_cpu_only(checkpoints, tmp_path):
-    from kiln.errors import KilnError
-
-    with pytest.raises(KilnError, match="precision int8 is not available for encoder models on target tensorrt"):
-        compile(checkpoints["bert"], tmp_path / "x", fast_options(precision="int8", target="tensorrt"))
-    assert not (tmp_path / "x").exists()
