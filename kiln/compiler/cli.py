@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="int8 in QDQ form with calibrated activation ranges (always on for --target tensorrt)")
     c.add_argument("--calibration-method", choices=CALIBRATION_METHODS, default=d.calibration_method,
                    help="static int8 activation ranges: minmax, percentile (99.99) or entropy (KL)")
+    c.add_argument("--outlier-ratio", type=float, default=d.outlier_ratio, metavar="R",
+                   help="calibrated int8: channels above R x the median channel maximum stay FP32 (0: off)")
     c.add_argument("--smoothquant", type=float, default=d.smoothquant, metavar="ALPHA",
                    help="migrate activation outliers into the weights before int8 (alpha in [0, 1], 0.5 typical)")
     c.add_argument("--max-length", type=int, default=d.max_length,
@@ -124,7 +126,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         task=args.task, precision=args.precision, target=args.target, opset=args.opset, verify=args.verify, force=args.force,
         threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed, max_length=args.max_length,
         max_drop=args.max_drop, calibration=args.calibration, static=args.static,
-        calibration_method=args.calibration_method, smoothquant=args.smoothquant,
+        calibration_method=args.calibration_method, smoothquant=args.smoothquant, outlier_ratio=args.outlier_ratio,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))

@@ -26,6 +26,7 @@ from kiln.passes.calibration import Statistics, expose, ranges
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ, candidates
 from kiln.passes.smoothquant import SmoothQuant
+from kiln.passes.split_outliers import SplitOutlierChannels
 
 QUANTIZERS = ("quantize-int8", "quantize-qdq")
 BATCH = 16
@@ -129,17 +130,22 @@ def quantize_graph(ckpt: Checkpoint, graph: onnx.ModelProto, passes: list[Pass],
     acts = sorted(set(candidates(fp32).values()))
     info: dict[str, Any] = {"texts": len(cal_texts), "heldout_texts": len(held_texts),
                             "tokens": int(sum(f["attention_mask"].sum() for f in cal)), "source": source}
+    say(f"calibrate: statistics of {len(acts)} activations on {info['tokens']} calibration tokens")
+    stats = run.statistics(fp32, acts, cal)
     if options.smoothquant is not None:
-        say(f"smoothquant: per-channel maxima of {len(acts)} activations on {info['tokens']} calibration tokens")
-        stats = run.statistics(fp32, acts, cal)
         fp32, smooth = run_passes(fp32, [SmoothQuant({n: s.channel_absmax for n, s in stats.items()}, options.smoothquant)],
                                   options.disabled_passes, say)
         record += smooth
-        acts = sorted(set(candidates(fp32).values()))
+        stats = run.statistics(fp32, sorted(set(candidates(fp32).values())), cal)
+    if options.outlier_ratio:
+        fp32, split = run_passes(fp32, [SplitOutlierChannels({n: s.channel_absmax for n, s in stats.items()},
+                                                             options.outlier_ratio)], options.disabled_passes, say)
+        record += split
+        if split[0].get("modified"):  # the quantized MatMuls now read the masked activations
+            stats = run.statistics(fp32, sorted(set(candidates(fp32).values())), cal)
     act_ranges = None
     if isinstance(quantizer, QuantizeStaticQDQ):
-        say(f"calibrate: {options.calibration_method} ranges of {len(acts)} activations on {info['tokens']} tokens")
-        act_ranges = ranges(run.statistics(fp32, acts, cal), options.calibration_method)
+        act_ranges = ranges(stats, options.calibration_method)
         info["method"] = options.calibration_method
 
     def quantized(keep: Sequence[str]) -> onnx.ModelProto:

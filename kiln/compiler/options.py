@@ -43,6 +43,9 @@ class CompileOptions:
     """INT8 in QDQ form with activation ranges calibrated on text, instead of ranges measured at run time."""
     calibration_method: str = "minmax"
     """How static INT8 turns activation statistics into a range: minmax, percentile (99.99) or entropy (KL)."""
+    outlier_ratio: float = 6.0
+    """When INT8 calibrates (static, SmoothQuant or a budget): activation channels above this many times the
+    median channel's maximum are multiplied in FP32 beside the INT8 product (0 turns it off)."""
     smoothquant: float | None = None
     """SmoothQuant alpha in [0, 1] (0.5 typical): move activation outliers into the weights before INT8."""
     max_length: int | None = None

@@ -18,6 +18,9 @@ from onnx import helper
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import MS_DOMAIN, Graph
 
+MIN_INNER = 16
+"""A product over fewer input channels saves nothing in INT8 (split-outliers' FP32 side products)."""
+
 
 def quantize_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(K, N) float -> int8 (K, N) and float32 scales (N,), symmetric: w ~= q * scale."""
@@ -60,8 +63,9 @@ class QuantizeDynamicInt8(Pass):
                 stats["kept_fp32"] += 1
                 skipped.append(Reason(where, f"weight {mm.input[1]} kept in FP32 (accuracy budget)"))
                 continue
-            if w.size < self.min_elements:
-                skipped.append(Reason(where, f"weight of {w.size} elements is below {self.min_elements}"))
+            if w.size < self.min_elements or w.shape[0] < MIN_INNER:
+                skipped.append(Reason(where, f"weight of shape {w.shape} is below {self.min_elements} elements or "
+                                             f"{MIN_INNER} input channels"))
                 continue
             q, scale = quantize_per_column(w)
             inputs = [mm.input[0], g.add_initializer(f"{mm.input[1]}_int8", q), g.add_initializer(f"{mm.input[1]}_scale", scale),

@@ -24,7 +24,7 @@ from onnx import helper
 from kiln.errors import KilnError
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_int8 import quantize_per_column
+from kiln.passes.quantize_int8 import MIN_INNER, quantize_per_column
 
 
 def activation_qparams(lo: float, hi: float, symmetric: bool) -> tuple[np.float32, np.integer]:
@@ -47,13 +47,15 @@ def dequantize_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | np.in
 
 
 def candidates(model: onnx.ModelProto, min_elements: int = 1024) -> dict[str, str]:
-    """MatMul weight name -> its activation input, for every MatMul with a 2-D FP32 constant weight."""
+    """MatMul weight name -> its activation input, for every MatMul with a 2-D FP32 constant weight
+    of at least ``min_elements`` elements and ``MIN_INNER`` input channels."""
     g = Graph(model)
     found = {}
     for n in g.g.node:
         if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"):
             w = g.constant(n.input[1])
-            if w is not None and w.ndim == 2 and w.dtype == np.float32 and w.size >= min_elements:
+            if w is not None and w.ndim == 2 and w.dtype == np.float32 and w.size >= min_elements \
+                    and w.shape[0] >= MIN_INNER:
                 found[n.input[1]] = n.input[0]
     return found
 

@@ -93,11 +93,13 @@ def test_impossible_decoder_budget_fails_without_artifact(checkpoints, tmp_path,
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_calibration_without_usable_tokens_is_a_clear_error(checkpoints, tmp_path, capsys, family):
     junk = tmp_path / "junk.txt"
-    junk.write_text("~~\n~ ~\n\n~~~~~\n")  # a character the tiny tokenizers do not know (unknown, or dropped)
+    special = "[SEP][CLS][SEP]" if family == "bert" else "<|endoftext|>" * 3
+    junk.write_text(f"{special}\n\n{special}{special}\n")  # nothing but special tokens
     rc = main(["compile", str(checkpoints[family]), "-o", str(tmp_path / "x"), "-q", "--precision", "int8", "--static",
                "--calibration", str(junk)])
-    err = capsys.readouterr().err
-    assert rc == 2 and "has no usable tokens" in err and str(junk) in err and not (tmp_path / "x").exists()
+    printed = capsys.readouterr()
+    err = printed.err
+    assert rc == 2 and "has no usable tokens" in err and str(junk) in err and not (tmp_path / "x").exists(), printed.out
 
 
 def test_int8_flag_errors(checkpoints, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""quantize-qdq (static INT8), its calibration statistics and SmoothQuant, against numpy references."""
+"""quantize-qdq (static INT8), its calibration statistics, SmoothQuant and split-outliers, against numpy references."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from kiln.errors import KilnError
 from kiln.passes import run_passes
 from kiln.passes.calibration import Statistics, entropy, expose, minmax, percentile, ranges
 from kiln.passes.check_tensorrt import problems
-from kiln.passes.quantize_int8 import dequantize_per_column, quantize_per_column
+from kiln.passes.quantize_int8 import QuantizeDynamicInt8, dequantize_per_column, quantize_per_column
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ, activation_qparams, dequantize_linear, quantize_linear
 from kiln.passes.smoothquant import SmoothQuant, smoothing_factors
+from kiln.passes.split_outliers import SplitOutlierChannels, outlier_channels
 
 K, N = 64, 48
 
@@ -184,3 +185,38 @@ def test_smoothquant_keeps_fp32_outputs_and_folds_into_the_norm(residual):
         return max(np.abs(a - b).max() for a, b in zip(run_unoptimised(q, x), run_unoptimised(model, x)))
 
     assert error(out, act) < 0.5 * error(model, "ln")
+
+
+# --- split-outliers -----------------------------------------------------------------------
+
+
+def test_outlier_channels_are_the_large_ones_largest_first_capped():
+    amax = np.ones(64)
+    amax[[3, 9, 40]] = [7.0, 20.0, 10.0]
+    assert outlier_channels(amax, 6.0, 8).tolist() == [9, 40, 3]
+    assert outlier_channels(amax, 6.0, 2).tolist() == [9, 40]
+    assert outlier_channels(amax, 25.0, 8).tolist() == []
+    assert outlier_channels(np.zeros(8), 6.0, 8).tolist() == []
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_split_outliers_is_exact_in_fp32_and_rescues_int8(residual):
+    model = two_projections(norm=True, residual=residual, outlier=30.0)
+    stats = calibrate(model, batches(), ["ln"])
+    out, record = run_passes(model, [SplitOutlierChannels({"ln": stats["ln"].channel_absmax})])
+    assert record[0]["stats"] == {"split": 2, "activations": 1, "channels": 1}
+    x = batches()[0]
+    for a, b in zip(run_unoptimised(out, x), run_unoptimised(model, x)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # the quantizer takes the big products (bias still folded) and leaves the one-channel side products FP32
+    q_split, rec = run_passes(out, [QuantizeDynamicInt8()])
+    assert rec[0]["stats"] == {"quantized": 2, "with_bias": 2, "kept_fp32": 0}
+    assert op_types(q_split).count("MatMul") == 2  # the outlier-channel products
+    q_plain, _ = run_passes(model, [QuantizeDynamicInt8()])
+
+    def error(m):
+        return max(np.abs(a - b).mean() for a, b in zip(run_unoptimised(m, x), run_unoptimised(model, x)))
+
+    assert error(q_split) < 0.5 * error(q_plain)
+    again, record = run_passes(out, [SplitOutlierChannels({"ln": stats["ln"].channel_absmax})])
+    assert record[0]["modified"] is False and again.SerializeToString() == out.SerializeToString()
