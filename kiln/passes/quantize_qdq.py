@@ -60,6 +60,14 @@ def candidates(model: onnx.ModelProto, min_elements: int = 1024) -> dict[str, st
     return found
 
 
+def by_activation(weights: dict[str, str]) -> dict[str, list[str]]:
+    """``candidates`` grouped: activation -> the weights of the MatMuls reading it (Q/K/V share one)."""
+    groups: dict[str, list[str]] = {}
+    for weight, act in weights.items():
+        groups.setdefault(act, []).append(weight)
+    return groups
+
+
 class QuantizeStaticQDQ(Pass):
     name = "quantize-qdq"
 

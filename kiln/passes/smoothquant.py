@@ -15,15 +15,13 @@ Per-channel activation maxima come from calibration, handed to the pass.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_qdq import candidates
+from kiln.passes.quantize_qdq import by_activation, candidates
 
 # norm -> indices of its per-channel output scale and bias (SkipSimplified's input 3 is added before the norm)
 NORMS = {"LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,), "RMSNormalization": (1,),
@@ -53,9 +51,7 @@ class SmoothQuant(Pass):
         g = Graph(model)
         stats = {"smoothed": 0, "folded": 0, "inserted_mul": 0}
         skipped: list[Reason] = []
-        groups: dict[str, list[str]] = defaultdict(list)
-        for weight, act in candidates(model, self.min_elements).items():
-            groups[act].append(weight)
+        groups = by_activation(candidates(model, self.min_elements))
         for act, weights in groups.items():
             amax = self.channel_absmax.get(act)
             ws = [g.constant(w) for w in weights]

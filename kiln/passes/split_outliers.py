@@ -16,15 +16,13 @@ calibrated absolute maximum exceeds ``ratio`` times the median channel's (at mos
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import onnx
 from onnx import helper
 
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_qdq import candidates
+from kiln.passes.quantize_qdq import by_activation, candidates
 
 
 def outlier_channels(channel_absmax: np.ndarray, ratio: float, max_channels: int) -> np.ndarray:
@@ -50,9 +48,7 @@ class SplitOutlierChannels(Pass):
         g = Graph(model)
         stats = {"split": 0, "activations": 0, "channels": 0}
         skipped: list[Reason] = []
-        groups: dict[str, list[str]] = defaultdict(list)
-        for weight, act in candidates(model, self.min_elements).items():
-            groups[act].append(weight)
+        groups = by_activation(candidates(model, self.min_elements))
         new: list[onnx.NodeProto] = []
         for act, weights in groups.items():
             amax = self.channel_absmax.get(act)
