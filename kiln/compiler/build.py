@@ -88,7 +88,7 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     if passes:
         import onnx
 
-        if int8.needs_data(options):
+        if options.precision == "int8":
             model, record = int8.quantize_graph(ckpt, onnx.load(str(root / GRAPH)), passes, facts, options, say)
         else:
             model, record = run_passes(onnx.load(str(root / GRAPH)), passes, options.disabled_passes, say)

@@ -1,9 +1,10 @@
 """INT8 at compile time: the FP32 passes, then calibration text through the FP32 graph, SmoothQuant,
-activation ranges, the accuracy-budget search, and the quantizer with what they chose.
+outlier channels, activation ranges, the accuracy-budget search, and the quantizer with what they chose.
 
 The passes only see the statistics and choices (they never run a model); this module runs ONNX
-Runtime on the intermediate graphs. Without ``--static``, ``--smoothquant`` or ``--max-drop`` the
-dynamic quantizer needs no data and the pipeline runs straight through (``needs_data``).
+Runtime on the intermediate graphs. Every INT8 compile calibrates (default text: Python docs
+sentences) so that outlier channels can be split off; only dynamic INT8 of a checkpoint without a
+tokenizer goes without, with a warning (``needs_data`` says when calibration is required).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kiln.compiler.trace import io_specs
 from kiln.errors import UsageError
 from kiln.passes import Pass, run_passes
 from kiln.passes.calibration import Statistics, expose, ranges
-from kiln.passes.quantize_int8 import QuantizeDynamicInt8
+from kiln.passes.quantize_int8 import QuantizeDynamicInt8, weights
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ, candidates
 from kiln.passes.smoothquant import SmoothQuant
 from kiln.passes.split_outliers import SplitOutlierChannels
@@ -38,8 +39,9 @@ Progress = Callable[[str], None]
 
 
 def needs_data(options: CompileOptions) -> bool:
+    """Whether this INT8 compile cannot go without calibration text (the dynamic quantizer alone can)."""
     return options.precision == "int8" and bool(options.static or options.smoothquant is not None or options.max_drop
-                                                  or options.target == "tensorrt")
+                                                  or options.target == "tensorrt" or options.calibration)
 
 
 def text_batches(ckpt: Checkpoint, texts: Sequence[str], tok: Any, source: str) -> list[dict[str, np.ndarray]]:
@@ -115,6 +117,9 @@ def quantize_graph(ckpt: Checkpoint, graph: onnx.ModelProto, passes: list[Pass],
     quantizer = passes[cut]
     budget = quantize.parse_budget(options.max_drop, facts.kind) if options.max_drop else None
     tok = case_lib.load_hf_tokenizer(ckpt.path)
+    if tok is None and not needs_data(options):
+        say(f"warning: {ckpt.path} has no tokenizer to read calibration text; dynamic INT8 without outlier splitting")
+        return run_passes(graph, passes, options.disabled_passes, say)
     if tok is None:
         raise UsageError(f"INT8 calibration reads text through the checkpoint's tokenizer; {ckpt.path} has none "
                          "(compile --precision int8 without --static/--smoothquant/--max-drop)")
@@ -153,7 +158,9 @@ def quantize_graph(ckpt: Checkpoint, graph: onnx.ModelProto, passes: list[Pass],
 
     result: dict[str, Any] = {}
     if budget is not None:
-        result = quantize.search(fp32, quantized, run, cal, held, budget, say)
+        names = (lambda m: weights(m, quantizer.min_elements)) if isinstance(quantizer, QuantizeDynamicInt8) else \
+            (lambda m: list(candidates(m, quantizer.min_elements)))
+        result = quantize.search(fp32, quantized, run, cal, held, budget, say, names)
         m = budget.metric
         say(f"int8 budget: {len(result['kept_fp32'])} of {result['weights']} weights kept FP32; held-out {m} "
             f"{result[f'heldout_{m}']:.5f} (budget {budget.value})")

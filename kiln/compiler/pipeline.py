@@ -87,11 +87,11 @@ PIPELINES: dict[tuple[str, str, str], list[PassFactory]] = {
     ],
 }
 
-# INT8 (dynamic): the FP32 fusions first, then every weight MatMul quantized. Encoders use fuse-mha
-# rather than the packed Attention op so that the Q/K/V projections are plain MatMuls the quantizer sees.
+# INT8 (dynamic): the FP32 fusions first, then every weight quantized: MatMuls -> DynamicQuantizeMatMul,
+# the encoders' packed Attention -> QAttention (its QKV GEMM in INT8, as ONNX Runtime's own quantizer does).
 PIPELINES[("cpu", "encoder", "int8")] = [
     *CLEANUP,
-    lambda f: FuseMultiHeadAttention(f.num_heads, f.head_size),
+    lambda f: FuseAttention(num_heads=f.num_heads),
     lambda f: FuseBiasGelu(),
     lambda f: DecomposeNorm(),
     lambda f: GemmToMatMul(),
@@ -101,11 +101,21 @@ PIPELINES[("cpu", "encoder", "int8")] = [
 PIPELINES[("cpu", "decoder", "int8")] = [
     *PIPELINES[("cpu", "decoder", "fp32")][:-1], lambda f: GemmToMatMul(), lambda f: QuantizeDynamicInt8(),
     lambda f: EliminateDeadNodes()]
-# Static INT8 (QDQ): the same graphs with calibrated Quantize/DequantizeLinear pairs, asymmetric uint8
+# Static INT8 (QDQ): calibrated Quantize/DequantizeLinear pairs on weight MatMul inputs, asymmetric uint8
 # activations on ONNX Runtime CPU, symmetric int8 for TensorRT (its only kind; the gate checks it).
+# Encoders use fuse-mha so that Q/K/V stay plain MatMuls the QDQ pairs can wrap.
+PIPELINES[("cpu", "encoder", "int8-static")] = [
+    *CLEANUP,
+    lambda f: FuseMultiHeadAttention(f.num_heads, f.head_size),
+    lambda f: FuseBiasGelu(),
+    lambda f: DecomposeNorm(),
+    lambda f: GemmToMatMul(),
+    lambda f: QuantizeStaticQDQ(),
+    lambda f: EliminateDeadNodes(),
+]
+PIPELINES[("cpu", "decoder", "int8-static")] = [
+    *PIPELINES[("cpu", "decoder", "int8")][:-2], lambda f: QuantizeStaticQDQ(), lambda f: EliminateDeadNodes()]
 for _kind in ("encoder", "decoder"):
-    PIPELINES[("cpu", _kind, "int8-static")] = [
-        *PIPELINES[("cpu", _kind, "int8")][:-2], lambda f: QuantizeStaticQDQ(), lambda f: EliminateDeadNodes()]
     PIPELINES[("tensorrt", _kind, "int8-static")] = [
         *TENSORRT[:-2], lambda f: GemmToMatMul(), lambda f: QuantizeStaticQDQ(symmetric=True), *TENSORRT[-2:]]
 

@@ -159,22 +159,27 @@ Run = Callable[[onnx.ModelProto, list[dict[str, np.ndarray]]], list[np.ndarray]]
 
 def search(fp32: onnx.ModelProto, quantized: Callable[[Sequence[str]], onnx.ModelProto], run: Run,
            cal: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]], budget: Budget,
-           say: Callable[[str], None]) -> dict[str, Any]:
+           say: Callable[[str], None], quantizable: Callable[[onnx.ModelProto], list[str]] = lambda m: list(candidates(m))
+           ) -> dict[str, Any]:
     """Choose the FP32 weights. ``quantized(keep)`` builds the INT8 graph keeping ``keep`` in FP32;
-    ``run(model, feeds)`` returns the compared output per feed (pooled rows, or logits)."""
-    names = list(candidates(fp32))
+    ``run(model, feeds)`` returns the compared output per feed (pooled rows, or logits); ``quantizable``
+    lists the weights the quantizer can take (default: the weight MatMuls)."""
+    names = quantizable(fp32)
     ref_cal, ref_held = run(fp32, cal), run(fp32, held)
 
     def measured(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], ref: list[np.ndarray]) -> float:
         return budget.measure(ref, run(model, feeds), feeds)
 
-    say(f"int8 budget: sensitivity of {len(names)} weights on {sum(len(f['input_ids']) for f in cal)} calibration texts")
-    sens = {n: budget.drop(measured(quantized([x for x in names if x != n]), cal, ref_cal)) for n in names}
-    order = sorted(names, key=lambda n: -sens[n])
     # aim past the budget on calibration (a quarter of the allowed drop to spare), so held-out text holds it too
     target = 0.75 * budget.limit
     keep: list[str] = []
     cal_value = measured(quantized(keep), cal, ref_cal)
+    sens: dict[str, float] = {}
+    order: list[str] = []
+    if budget.drop(cal_value) > target:  # only then is it worth ranking the weights
+        say(f"int8 budget: sensitivity of {len(names)} weights on {sum(len(f['input_ids']) for f in cal)} calibration texts")
+        sens = {n: budget.drop(measured(quantized([x for x in names if x != n]), cal, ref_cal)) for n in names}
+        order = sorted(names, key=lambda n: -sens[n])
     while budget.drop(cal_value) > target and len(keep) < len(order):
         keep.append(order[len(keep)])
         cal_value = measured(quantized(keep), cal, ref_cal)

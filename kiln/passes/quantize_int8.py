@@ -1,10 +1,13 @@
-"""Dynamic INT8: MatMul with a constant weight (+ bias Add) -> ``com.microsoft.DynamicQuantizeMatMul``.
+"""Dynamic INT8: MatMul with a constant weight (+ bias Add) -> ``com.microsoft.DynamicQuantizeMatMul``,
+and the fused ``com.microsoft.Attention`` (packed QKV weight) -> ``DynamicQuantizeLinear`` + ``QAttention``.
 
 Weights are int8, symmetric, one scale per output column (per-channel: a column of small weights
 does not lose its resolution to the largest column of the matrix); activations are quantized to
 uint8 per tensor at run time by the kernel. The bias Add that follows a MatMul is folded into the
-kernel. MatMuls whose second input is not a constant (attention scores) stay FP32, and so do
-weights named in ``keep_fp32`` (the accuracy budget's choice) or smaller than ``min_elements``.
+kernel. QAttention runs the packed QKV GEMM in INT8 (per-column weight scales) and the attention
+core in FP32, so one quantized input feeds all three projections. MatMuls whose second input is not
+a constant (attention scores) stay FP32, and so do weights named in ``keep_fp32`` (the accuracy
+budget's choice) or smaller than ``min_elements``.
 
 The math lives in small pure functions so tests can check them against numpy on random tensors.
 """
@@ -40,6 +43,20 @@ def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
     scale = (hi - lo) / 255.0 or 1.0
     zero = np.clip(np.rint(-lo / scale), 0, 255)
     return ((np.clip(np.rint(x / scale) + zero, 0, 255) - zero) * scale).astype(np.float32)
+
+
+def weights(model: onnx.ModelProto, min_elements: int = 1024) -> list[str]:
+    """Every weight the pass can quantize: MatMul weights, then fused Attention's packed QKV weights."""
+    g = Graph(model)
+    found = []
+    for n in g.g.node:
+        w = g.constant(n.input[1]) if len(n.input) > 1 else None
+        if w is None or w.ndim != 2 or w.dtype != np.float32:
+            continue
+        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and w.size >= min_elements and w.shape[0] >= MIN_INNER \
+                or n.op_type == "Attention" and n.domain == MS_DOMAIN:
+            found.append(n.input[1])
+    return found
 
 
 class QuantizeDynamicInt8(Pass):
@@ -83,6 +100,31 @@ class QuantizeDynamicInt8(Pass):
             g.replace_nodes(remove, [helper.make_node("DynamicQuantizeMatMul", inputs, [out], name=g.fresh("DQMatMul"),
                                                       domain=MS_DOMAIN)])
             stats["quantized"] += 1
+        for handle in g.nodes_of("Attention", MS_DOMAIN):
+            att = g.node(handle)
+            where = att.name or handle
+            w = g.constant(att.input[1])
+            if w is None or w.ndim != 2 or len(att.input) > 4 and any(att.input[4:]):
+                skipped.append(Reason(where, "Attention without a constant packed weight, or with past/bias inputs"))
+                continue
+            if att.input[1] in self.keep_fp32:
+                stats["kept_fp32"] += 1
+                skipped.append(Reason(where, f"weight {att.input[1]} kept in FP32 (accuracy budget)"))
+                continue
+            q, scale = quantize_per_column(w)
+            x = att.input[0]
+            xq, xs, xz = g.fresh(f"{x}_u8"), g.fresh(f"{x}_scale"), g.fresh(f"{x}_zero")
+            mask = att.input[3] if len(att.input) > 3 else ""
+            inputs = [xq, g.add_initializer(f"{att.input[1]}_int8", q), att.input[2], xs,
+                      g.add_initializer(f"{att.input[1]}_scale", scale), mask, xz,
+                      g.add_initializer(f"{att.input[1]}_zero", np.zeros_like(q[0]))]
+            attrs = {a.name: helper.get_attribute_value(a) for a in att.attribute}
+            g.replace_nodes([att], [
+                helper.make_node("DynamicQuantizeLinear", [x], [xq, xs, xz], name=g.fresh("DynamicQuantizeLinear")),
+                helper.make_node("QAttention", inputs, list(att.output), name=g.fresh("QAttention"), domain=MS_DOMAIN,
+                                 **attrs)])
+            stats["quantized"] += 1
+            stats["attention"] = stats.get("attention", 0) + 1
         if stats["quantized"]:
             g.ensure_opset(MS_DOMAIN, 1)
             g.prune()

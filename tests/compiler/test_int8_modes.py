@@ -76,8 +76,9 @@ def test_decoder_budget_is_measured_on_heldout_text(checkpoints, tmp_path, texts
     out = compile(checkpoints["llama"], tmp_path / "b", fast_options(precision="int8", max_drop=budget, calibration=texts))
     metric, value = budget.split("=")
     b = entry(manifest(out), "quantize-int8")["budget"]
-    assert b["metric"] == metric and b["weights"] == len(b["sensitivity"]) == 2 * 5 + 1  # packed QKV, O, 3 MLP; head
-    assert set(b["kept_fp32"]) <= set(b["sensitivity"])
+    assert b["metric"] == metric and b["weights"] == 2 * 5 + 1  # packed QKV, O, 3 MLP per layer; the head
+    assert set(b["kept_fp32"]) <= set(b["sensitivity"])  # ranked only when all-INT8 misses the budget
+    assert len(b["sensitivity"]) in (0, b["weights"])
     held = b[f"heldout_{metric}"]
     assert held >= float(value) if metric == "top1" else held <= float(value)
 

@@ -88,3 +88,26 @@ def test_bias_add_is_not_folded_when_the_product_is_read_elsewhere():
     out, record = run_passes(model, [QuantizeDynamicInt8()])
     assert record[0]["stats"] == {"quantized": 1, "with_bias": 0, "kept_fp32": 0}
     assert op_types(out) == ["DynamicQuantizeMatMul", "Add", "MatMul"]
+
+
+def test_fused_attention_becomes_qattention_matching_its_reference():
+    from graphs import attention_graph, feeds
+
+    from kiln.passes.fuse_attention import FuseAttention
+
+    fused, _ = run_passes(attention_graph("explicit"), [FuseAttention(num_heads=2)])
+    out, record = run_passes(fused, [QuantizeDynamicInt8()])
+    assert record[0]["stats"]["attention"] == 1 and op_types(out) .count("QAttention") == 1
+    assert "DynamicQuantizeLinear" in op_types(out) and "Attention" not in op_types(out)
+    # reference: the FP32 Attention op fed the input as the kernel quantizes it, with the dequantized weight
+    att = next(n for n in fused.graph.node if n.op_type == "Attention")
+    ref = fused.__class__()
+    ref.CopyFrom(fused)
+    w = next(t for t in ref.graph.initializer if t.name == att.input[1])
+    q, scale = quantize_per_column(numpy_helper.to_array(w))
+    w.CopyFrom(numpy_helper.from_array(dequantize_per_column(q, scale), w.name))
+    f = feeds("x")
+    expected = run_unoptimised(ref, {**f, "x": fake_quantize_activation(f["x"])})[0]
+    np.testing.assert_allclose(run_unoptimised(out, f)[0], expected, atol=1e-4)
+    kept, record = run_passes(fused, [QuantizeDynamicInt8(keep_fp32=(att.input[1],))])
+    assert "QAttention" not in op_types(kept) and record[0]["stats"]["kept_fp32"] == 1
