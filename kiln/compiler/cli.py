@@ -98,6 +98,39 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--threads", type=int, default=None)
     r.add_argument("--top", type=int, default=5, help="how many labels or next tokens to show")
     r.add_argument("--json", action="store_true", help="machine-readable output")
+
+    b = sub.add_parser("bench", help="latency and throughput of an artifact, optionally against eager or another artifact")
+    b.add_argument("artifact")
+    b.add_argument("--eager", metavar="CKPT", help="also time the checkpoint in eager PyTorch (needs the compile extra)")
+    b.add_argument("--compare", metavar="ARTIFACT", help="also time another artifact (e.g. another precision)")
+    b.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    b.add_argument("--seq-len", type=int, nargs="+", default=[128])
+    b.add_argument("--budget-seconds", type=float, default=2.0, help="timing budget per system and shape")
+    b.add_argument("--rounds", type=int, default=5, help="alternating rounds the budget is split into")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    rep = sub.add_parser("report", help="accuracy and latency of an artifact against its reference checkpoint")
+    rep.add_argument("artifact")
+    rep.add_argument("--reference", required=True, help="the checkpoint directory the artifact was compiled from")
+    rep.add_argument("--data", required=True, help="text file (one text per line) or JSONL with a text field")
+    rep.add_argument("-o", "--output", required=True, help="directory for report.json, report.md, report.html")
+    rep.add_argument("--max-texts", type=int, default=64, help="texts to use from --data (default 64)")
+    rep.add_argument("--max-tokens", type=int, default=128, help="tokens per text (default 128)")
+    rep.add_argument("--latency-seconds", type=float, default=3.0, help="time spent measuring latency")
+    rep.add_argument("--threads", type=int, default=None)
+    rep.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    gate = sub.add_parser("gate", help="check a report against thresholds: exit 0 pass, 1 violated, 2 unusable input")
+    gate.add_argument("report", help="report.json written by kiln report")
+    gate.add_argument("--baseline", help="the last release's report.json, for max_latency_regression_pct")
+    gate.add_argument("--config", help="TOML file with a [gate] table (default: ./kiln.toml, ./pyproject.toml)")
+    from kiln.compiler.gate import THRESHOLDS
+
+    for key in THRESHOLDS:
+        gate.add_argument("--" + key.replace("_", "-"), type=float, default=None, dest=key)
+    gate.add_argument("--json", action="store_true", help="print the checks as JSON")
     return p
 
 
@@ -109,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate}[args.command](args)
+        return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate, "report": cmd_report,
+                "gate": cmd_gate, "bench": cmd_bench}[args.command](args)
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -169,6 +203,53 @@ def parity_table(manifest: dict[str, Any]) -> str:
         lines.append(f"  int8 ({q['pass']}): {q['quantized']} weights INT8, {q['kept_fp32']} kept FP32; cost vs eager FP32: "
                      f"{', '.join(cost)}; speed: {gain}")
     return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kiln.compiler.bench import bench, table
+
+    if args.budget_seconds <= 0 or args.rounds < 1:
+        raise UsageError("--budget-seconds must be positive and --rounds at least 1")
+    result = bench(args.artifact, args.batch_size, args.seq_len, args.eager, args.compare, args.budget_seconds,
+                   args.rounds, args.threads, progress=_Progress(args.quiet))
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kiln.compiler.report import report
+
+    if args.max_texts < 1 or args.max_tokens < 2:
+        raise UsageError("--max-texts must be at least 1 and --max-tokens at least 2")
+    result = report(args.artifact, args.reference, args.data, args.output, args.max_texts, args.max_tokens,
+                    args.latency_seconds, args.threads, progress=_Progress(args.quiet))
+    lat = result["latency"]
+    print("\n".join(f"{k:>22}: {v:.6g}" if isinstance(v, float) else f"{k:>22}: {v}" for k, v in result["metrics"].items()))
+    print(f"{'latency p50/p90/p99':>22}: {lat['p50_ms']:.3f} / {lat['p90_ms']:.3f} / {lat['p99_ms']:.3f} ms")
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from kiln.compiler import gate
+
+    current = gate.load_report(args.report)
+    baseline = gate.load_report(args.baseline, "baseline") if args.baseline else None
+    thresholds = gate.load_thresholds(args.config, {k: getattr(args, k) for k in gate.THRESHOLDS})
+    checks = gate.evaluate(current, thresholds, baseline, args.report)
+    failed = [c for c in checks if not c.passed]
+    if args.json:
+        print(json.dumps([{"threshold": c.name, "limit": c.threshold, "value": c.value, "passed": c.passed} for c in checks],
+                         indent=2))
+    else:
+        print(gate.table(checks))
+    if failed:
+        print(f"kiln gate: FAILED: {', '.join(f'{c.name} ({c.value:.6g} vs {c.threshold:.6g})' for c in failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:

@@ -1,0 +1,132 @@
+"""``kiln gate``: thresholds against a report.json; exit 0 when all hold, 1 when any is violated, 2 when
+the report, the baseline or the thresholds cannot be used.
+
+Thresholds come from, in increasing priority: ``[tool.kiln.gate]`` in ./pyproject.toml, ``[gate]`` in
+./kiln.toml (or the file given with ``--config``, either layout), then command-line flags.
+Reads JSON and TOML only: no torch, so a CI job can gate without the compile dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+
+REPORT_SCHEMA = "kiln-report"
+REPORT_VERSIONS = (1,)
+
+# threshold -> (report metric, "max" or "min", label)
+THRESHOLDS: dict[str, tuple[str, str, str]] = {
+    "max_ppl_increase_pct": ("ppl_increase_pct", "max", "perplexity increase (%)"),
+    "min_top1_agreement": ("top1_agreement", "min", "next-token top-1 agreement"),
+    "max_kl_mean": ("kl_mean", "max", "mean KL divergence"),
+    "min_cosine": ("cosine_min", "min", "embedding cosine, min"),
+    "max_latency_regression_pct": ("latency_regression_pct", "max", "p50 latency regression vs baseline (%)"),
+}
+
+
+class GateInputError(KilnError):
+    """A report, baseline or threshold file kiln gate cannot use (exit 2)."""
+
+    exit_code = 2
+
+
+@dataclass
+class Check:
+    name: str
+    label: str
+    threshold: float
+    value: float
+    kind: str
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.threshold if self.kind == "max" else self.value >= self.threshold
+
+
+def load_report(path: str | Path, role: str = "report") -> dict[str, Any]:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise GateInputError(f"{role} {p} does not exist; give the report.json that kiln report wrote") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GateInputError(f"{role} {p} is not valid JSON ({e}); give the report.json that kiln report wrote") from e
+    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or data.get("schema_version") not in REPORT_VERSIONS:
+        raise GateInputError(f"{role} {p} is not a kiln report (schema {REPORT_SCHEMA} version "
+                             f"{'/'.join(map(str, REPORT_VERSIONS))}); regenerate it with kiln report")
+    if not isinstance(data.get("metrics"), dict) or not isinstance(data.get("latency"), dict):
+        raise GateInputError(f"{role} {p} lacks its metrics or latency section; regenerate it with kiln report")
+    return data
+
+
+def _table(path: Path, data: dict[str, Any]) -> dict[str, Any] | None:
+    if path.name == "pyproject.toml":
+        return data.get("tool", {}).get("kiln", {}).get("gate")
+    return data.get("gate", data.get("tool", {}).get("kiln", {}).get("gate"))
+
+
+def load_thresholds(config: str | Path | None, flags: dict[str, float | None], cwd: Path | None = None) -> dict[str, float]:
+    """Merge thresholds: pyproject.toml, then kiln.toml or ``config``, then flags (later wins)."""
+    cwd = cwd or Path.cwd()
+    files = [cwd / "pyproject.toml", Path(config) if config else cwd / "kiln.toml"]
+    merged: dict[str, float] = {}
+    for f in files:
+        if not f.is_file():
+            if config and f == Path(config):
+                raise GateInputError(f"--config {config} does not exist; give a TOML file with a [gate] table")
+            continue
+        try:
+            table = _table(f, tomllib.loads(f.read_text()))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise GateInputError(f"{f} is not valid TOML ({e}); fix it or pass thresholds as flags") from e
+        if table is None:
+            if config and f == Path(config):
+                raise GateInputError(f"--config {config} has no [gate] table; add one, e.g. [gate] min_top1_agreement = 0.99")
+            continue
+        if not isinstance(table, dict):
+            raise GateInputError(f"{f}: the gate table is not a table of thresholds")
+        for key, value in table.items():
+            if key not in THRESHOLDS:
+                raise GateInputError(f"{f}: unknown threshold {key!r}; known: {', '.join(THRESHOLDS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise GateInputError(f"{f}: threshold {key} = {value!r} is not a number")
+            merged[key] = float(value)
+    merged.update({k: float(v) for k, v in flags.items() if v is not None})
+    if not merged:
+        raise GateInputError("no thresholds: add a [gate] table to kiln.toml (or [tool.kiln.gate] to pyproject.toml), "
+                             "pass --config FILE, or give flags such as --min-top1-agreement 0.99")
+    return merged
+
+
+def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dict[str, Any] | None = None,
+             report_path: str = "report") -> list[Check]:
+    values = dict(report["metrics"])
+    if baseline is not None:
+        base, now = baseline["latency"].get("p50_ms"), report["latency"].get("p50_ms")
+        if not isinstance(base, (int, float)) or not isinstance(now, (int, float)) or base <= 0:
+            raise GateInputError("the report or the baseline has no usable latency p50_ms; regenerate them with kiln report")
+        values["latency_regression_pct"] = 100.0 * (now / base - 1.0)
+    checks = []
+    for key, threshold in thresholds.items():
+        metric, kind, label = THRESHOLDS[key]
+        if metric == "latency_regression_pct" and baseline is None:
+            raise GateInputError(f"{key} compares against a baseline; pass --baseline LAST_RELEASE/report.json")
+        value = values.get(metric)
+        if not isinstance(value, (int, float)):
+            raise GateInputError(f"{report_path} has no {metric} (needed by {key}); this threshold does not apply to "
+                                 f"a {report['model'].get('kind')} report, remove it")
+        checks.append(Check(key, label, threshold, float(value), kind))
+    return checks
+
+
+def table(checks: list[Check]) -> str:
+    lines = [f"{'metric':<40} {'threshold':>12} {'value':>12}  verdict"]
+    for c in checks:
+        bound = ("<= " if c.kind == "max" else ">= ") + f"{c.threshold:.6g}"
+        lines.append(f"{c.label:<40} {bound:>12} {c.value:>12.6g}  {'pass' if c.passed else 'FAIL'}")
+    return "\n".join(lines)

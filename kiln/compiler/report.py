@@ -1,0 +1,178 @@
+"""``kiln report``: how far an artifact drifted from its reference checkpoint, on the user's text.
+
+Both run the same tokenised texts (one text per row, so no padding enters the numbers):
+- decoders: perplexity of each and its change, next-token top-1 agreement, mean and p99 KL
+  divergence of the next-token distributions (also per position), and the greedy-continuation
+  match rate (artifact generation vs Hugging Face ``generate``);
+- encoders: cosine of the pooled embedding (or the first output, mean-pooled) per text;
+- every output: max / mean / p99 absolute error and a histogram of the errors;
+- the artifact's latency distribution (p50/p90/p99) at one shape, for release-to-release comparison.
+``report.json`` (versioned) is what ``kiln gate`` reads; ``report.md`` and ``report.html`` (plots
+embedded, no network) are for people.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import kiln.runtimes as kr
+from kiln.compiler import cases as case_lib
+from kiln.compiler.load import load_checkpoint
+from kiln.compiler.quantize import log_softmax, read_texts
+from kiln.compiler.trace import EagerRunner
+from kiln.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "kiln-report"
+SCHEMA_VERSION = 1
+GREEDY_PROMPTS = 8
+GREEDY_TOKENS = 16
+
+Progress = Callable[[str], None]
+
+
+def report(artifact: str | Path, reference: str | Path, data: str | Path, out: str | Path, max_texts: int = 64,
+           max_tokens: int = 128, latency_s: float = 3.0, threads: int | None = None,
+           progress: Progress | None = None) -> dict[str, Any]:
+    """Measure ``artifact`` against ``reference`` on ``data`` and write report.json/.md/.html into ``out``."""
+    say = progress or (lambda msg: log.info(msg))
+    from kiln.compiler import report_render
+
+    model = kr.load(artifact, threads=threads)
+    ckpt = load_checkpoint(reference)
+    kind = model.manifest.data["model"]["kind"]
+    if kind not in ("encoder", "decoder"):
+        raise UsageError(f"kiln report measures encoder and decoder artifacts; {artifact} is {kind}")
+    if ckpt.kind != kind:
+        raise UsageError(f"--reference {reference} is a {ckpt.kind} checkpoint but {artifact} is a {kind} artifact; "
+                         "give the checkpoint the artifact was compiled from")
+    texts = read_texts(str(data))[:max_texts]
+    limit = min(max_tokens, model.max_sequence_length)
+    rows = [r for r in (model.text_encoder.encode_ids(t)[:limit] for t in texts) if len(r) >= 2]
+    if not rows:
+        raise UsageError(f"--data {data} has no text of two or more tokens for {artifact}'s tokenizer; give real text")
+    say(f"report: {len(rows)} texts, {sum(map(len, rows))} tokens from {data}")
+    eager = EagerRunner(ckpt, threads)
+    result: dict[str, Any] = {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+        "artifact": str(Path(artifact).absolute()), "reference": str(Path(reference).absolute()),
+        "data": {"path": str(Path(data).absolute()), "texts": len(rows), "tokens": int(sum(map(len, rows)))},
+        "model": {k: model.manifest.data["model"].get(k) for k in ("architecture", "kind", "task")}
+        | {"precision": model.manifest.data.get("precision"), "target": model.manifest.data.get("target")},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    errors: dict[str, list[np.ndarray]] = {}
+    if kind == "decoder":
+        result |= decoder_metrics(model, eager, rows, errors, say)
+        result["metrics"]["greedy_match_rate"] = greedy_match_rate(model, ckpt, rows)
+    else:
+        result |= encoder_metrics(model, eager, rows, errors)
+    result["outputs"] = {name: error_stats(np.concatenate(v)) for name, v in errors.items()}
+    say("report: latency distribution")
+    result["latency"] = latency_distribution(model, rows, latency_s)
+    report_render.write(result, errors, Path(out))
+    say(f"report: wrote {Path(out) / 'report.json'}, report.md, report.html")
+    return result
+
+
+def _feeds(ids: list[int]) -> dict[str, np.ndarray]:
+    arr = np.asarray([ids], np.int64)
+    return {"input_ids": arr, "attention_mask": np.ones_like(arr)}
+
+
+def decoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]], errors: dict[str, list[np.ndarray]],
+                    say: Progress) -> dict[str, Any]:
+    nll_ref = nll_art = 0.0
+    agree, count = 0, 0
+    kls: list[np.ndarray] = []
+    for ids in rows:
+        feeds = _feeds(ids)
+        got = model.run(feeds)["logits"][0].astype(np.float64)
+        ref = eager.run({k: v for k, v in feeds.items() if k in eager.input_names})["logits"][0].astype(np.float64)
+        errors.setdefault("logits", []).append(np.abs(got - ref).ravel())
+        lr, lg = log_softmax(ref[:-1]), log_softmax(got[:-1])
+        target = np.asarray(ids[1:])
+        pos = np.arange(len(target))
+        nll_ref -= float(lr[pos, target].sum())
+        nll_art -= float(lg[pos, target].sum())
+        agree += int((lr.argmax(-1) == lg.argmax(-1)).sum())
+        kls.append((np.exp(lr) * (lr - lg)).sum(-1))
+        count += len(target)
+    kl = np.concatenate(kls)
+    longest = max(len(k) for k in kls)
+    per_position = [float(np.mean([k[i] for k in kls if len(k) > i])) for i in range(longest)]
+    ppl_ref, ppl_art = float(np.exp(nll_ref / count)), float(np.exp(nll_art / count))
+    return {"metrics": {"ppl_reference": ppl_ref, "ppl_artifact": ppl_art,
+                        "ppl_increase_pct": 100.0 * (ppl_art / ppl_ref - 1.0), "top1_agreement": agree / count,
+                        "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "positions": count},
+            "kl_per_position": per_position}
+
+
+def greedy_match_rate(model: kr.Model, ckpt: Any, rows: list[list[int]]) -> float:
+    """Mean fraction of GREEDY_TOKENS greedy tokens that match Hugging Face ``generate`` before the first difference."""
+    import torch
+
+    prompts = [r[:16] for r in rows[:GREEDY_PROMPTS]]
+    capacity = model.manifest.data.get("kv_cache", {}).get("capacity", model.max_sequence_length)
+    new = max(0, min(GREEDY_TOKENS, capacity - max(map(len, prompts))))
+    if new == 0:
+        return 1.0
+    pad = model.manifest.data.get("generation", {}).get("pad_token_id", 0)
+    rates = []
+    for p in prompts:
+        got = model.generate([p], max_new_tokens=new, stop_token_ids=[])[0][len(p):]
+        with torch.inference_mode():
+            ref = ckpt.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                      max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)[0][len(p):]
+        ref = ref.numpy()
+        same = np.cumprod(got[:len(ref)] == ref[:len(got)])
+        rates.append(float(same.sum()) / new)
+    return float(np.mean(rates))
+
+
+def encoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
+                    errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
+    cos = []
+    for ids in rows:
+        feeds = case_lib.make_feeds(*[np.asarray(x) for x in _feeds(ids).values()], eager.input_names)
+        got = model.run({k: v for k, v in feeds.items() if k in model.input_names})
+        ref = eager.run(feeds)
+        for name in ref:
+            if name in got:
+                errors.setdefault(name, []).append(np.abs(got[name].astype(np.float64) - ref[name]).ravel())
+        name = "sentence_embedding" if "sentence_embedding" in ref else next(iter(ref))
+        a, b = got[name].astype(np.float64), ref[name].astype(np.float64)
+        if a.ndim == 3:
+            a, b = a.mean(1), b.mean(1)
+        cos.append(float((a * b).sum() / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)))
+    return {"metrics": {"cosine_min": min(cos), "cosine_mean": float(np.mean(cos)), "cosine_p1": float(np.percentile(cos, 1))},
+            "cosine_per_text": cos}
+
+
+def error_stats(err: np.ndarray) -> dict[str, float]:
+    return {"max_abs": float(err.max()), "mean_abs": float(err.mean()), "p99_abs": float(np.percentile(err, 99)),
+            "count": int(err.size)}
+
+
+def latency_distribution(model: kr.Model, rows: list[list[int]], budget_s: float) -> dict[str, Any]:
+    """Artifact latency at batch 1 on the longest text: warm-up, then as many runs as fit the budget (at least 10)."""
+    feeds = _feeds(max(rows, key=len))
+    for _ in range(3):
+        model.run(feeds)
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < 10 or (time.perf_counter() - start < budget_s and len(samples) < 2000):
+        t = time.perf_counter()
+        model.run(feeds)
+        samples.append((time.perf_counter() - t) * 1e3)
+    s = np.asarray(samples)
+    return {"shape": list(feeds["input_ids"].shape), "runs": len(samples), "p50_ms": float(np.percentile(s, 50)),
+            "p90_ms": float(np.percentile(s, 90)), "p99_ms": float(np.percentile(s, 99)), "mean_ms": float(s.mean()),
+            "samples_ms": [round(x, 4) for x in samples]}

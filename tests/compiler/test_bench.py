@@ -1,0 +1,46 @@
+"""kiln bench: structure of the results (never their values: wall-clock numbers are not asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from kiln.compiler.cli import main
+
+
+def test_encoder_against_eager_and_json(artifacts, checkpoints, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(artifacts["bert"]), "--eager", str(checkpoints["bert"]), "--batch-size", "1", "2",
+               "--seq-len", "8", "16", "--budget-seconds", "0.2", "--rounds", "2", "--threads", "2", "-q", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "artifact speed-up" in printed and "eager" in printed
+    data = json.loads(out.read_text())
+    assert data["schema"] == "kiln-bench" and data["kind"] == "encoder" and data["artifact_size_mb"] > 0
+    assert data["peak_rss_mb"] > 0 and data["eager"] and [(e["batch"], e["seq_len"]) for e in data["results"]] == [
+        (1, 8), (1, 16), (2, 8), (2, 16)]
+    for e in data["results"]:
+        art, eager = e["systems"]["artifact"], e["systems"]["eager"]
+        for r in (art, eager):
+            lat = r["latency"]
+            assert lat["runs"] >= 2 * 3 and lat["p50_ms"] <= lat["p90_ms"] <= lat["p99_ms"]
+            assert r["tokens_per_s"] == r["sequences_per_s"] * e["seq_len"]
+        assert art["speedup_vs"]["eager"] == eager["latency"]["p50_ms"] / art["latency"]["p50_ms"]
+
+
+def test_decoder_prefill_and_decode_against_another_artifact(artifacts, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(artifacts["llama"]), "--compare", str(artifacts["mistral"]), "--seq-len", "12",
+               "--budget-seconds", "0.2", "--rounds", "1", "-q", "--json", str(out)])
+    assert rc == 0 and "decode tok/s" in capsys.readouterr().out
+    e = json.loads(out.read_text())["results"][0]
+    for r in e["systems"].values():
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+    assert "compare" in e["systems"]["artifact"]["speedup_vs"]
+
+
+def test_bench_input_errors(artifacts, tmp_path, capsys):
+    assert main(["bench", str(artifacts["bert"]), "--seq-len", "100000", "-q"]) == 2
+    assert "--seq-len 100000 does not fit" in capsys.readouterr().err
+    assert main(["bench", str(artifacts["bert"]), "--batch-size", "0", "-q"]) == 2
+    assert main(["bench", str(tmp_path / "missing"), "-q"]) != 0
+    assert "missing" in capsys.readouterr().err
