@@ -75,6 +75,8 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
     else:
         result |= encoder_metrics(model, eager, rows, errors)
     result["outputs"] = {name: error_stats(np.concatenate(v)) for name, v in errors.items()}
+    say("report: per-layer error")
+    result["layers"] = layer_errors(Path(artifact), model, ckpt, rows[:8])
     say("report: latency distribution")
     result["latency"] = latency_distribution(model, rows, latency_s)
     report_render.write(result, errors, Path(out))
@@ -154,6 +156,43 @@ def encoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
         cos.append(float((a * b).sum() / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)))
     return {"metrics": {"cosine_min": min(cos), "cosine_mean": float(np.mean(cos)), "cosine_p1": float(np.percentile(cos, 1))},
             "cosine_per_text": cos}
+
+
+def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]]) -> list[dict[str, Any]]:
+    """Where the error enters: each layer's output (Hugging Face ``hidden_states``) against the artifact
+    tensor that carries it. The graph's sums and norms are exposed as outputs and each hidden state is
+    matched to the closest one by value (names do not survive export and fusion); the relative error
+    of that tensor is the layer's, averaged over the texts."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from kiln.passes.calibration import expose
+
+    graph = onnx.load(str(root / model.manifest.data["graphs"]["model"]))
+    names = [o for n in graph.graph.node if n.op_type in ("Add", "RMSNormalization", "SimplifiedLayerNormalization",
+                                                           "LayerNormalization", "SkipSimplifiedLayerNormalization",
+                                                           "SkipLayerNormalization") for o in n.output[:4] if o]
+    sess = ort.InferenceSession(expose(graph, names).SerializeToString(), providers=["CPUExecutionProvider"])
+    kv = model.manifest.data.get("kv_cache")
+    per_layer: dict[int, list[tuple[str, float]]] = {}
+    for ids in rows:
+        feeds = _feeds(ids)
+        full = {"token_type_ids": np.zeros_like(feeds["input_ids"]), **feeds}
+        if kv:
+            full |= {p: np.zeros((1, kv["num_kv_heads"], 0, kv["head_size"]), np.float32) for p in kv["past"]}
+        wanted = {i.name for i in sess.get_inputs()}
+        got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in full.items() if k in wanted})))
+        with torch.inference_mode():
+            hidden = ckpt.model(input_ids=torch.from_numpy(feeds["input_ids"]), output_hidden_states=True).hidden_states
+        for layer, h in enumerate(hidden[1:], 1):
+            ref = h.float().numpy().reshape(-1)
+            best = min(((n, float(np.linalg.norm(v.reshape(-1) - ref) / max(np.linalg.norm(ref), 1e-30)))
+                        for n, v in got.items() if n in names and v.size == ref.size), key=lambda x: x[1], default=None)
+            if best is not None:
+                per_layer.setdefault(layer, []).append(best)
+    return [{"layer": layer, "tensor": found[0][0], "relative_error": float(np.mean([e for _, e in found]))}
+            for layer, found in sorted(per_layer.items())]
 
 
 def error_stats(err: np.ndarray) -> dict[str, float]:

@@ -51,6 +51,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"| {k} | {v} |" for k, v in _rows(result)]
     lines += ["", "| output | max abs err | mean abs err | p99 abs err |", "|---|---|---|---|"]
     lines += [f"| {n} | {s['max_abs']:.4g} | {s['mean_abs']:.4g} | {s['p99_abs']:.4g} |" for n, s in result["outputs"].items()]
+    if result.get("layers"):
+        lines += ["", "Where the error enters (each layer's output vs the artifact tensor carrying it):", "",
+                  "| layer | relative error | artifact tensor |", "|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['relative_error']:.3g} | `{r['tensor']}` |" for r in result["layers"]]
     return "\n".join(lines) + "\n"
 
 
@@ -104,6 +108,8 @@ def page(result: dict[str, Any], images: list[tuple[str, str]]) -> str:
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in _rows(result))
     outs = "".join(f"<tr><td>{esc(n)}</td><td>{s['max_abs']:.4g}</td><td>{s['mean_abs']:.4g}</td><td>{s['p99_abs']:.4g}</td></tr>"
                    for n, s in result["outputs"].items())
+    layers = "".join(f"<tr><td>{r['layer']}</td><td>{r['relative_error']:.3g}</td><td><code>{esc(r['tensor'])}</code></td></tr>"
+                     for r in result.get("layers", []))
     figs = "".join(f"<figure><img alt=\"{esc(t)}\" src=\"data:image/png;base64,{b}\"><figcaption>{esc(t)}</figcaption></figure>"
                    for t, b in images)
     return f"""<!doctype html>
@@ -115,6 +121,8 @@ td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:left}}figure{{display:
 <code>{esc(result['data']['path'])}</code> ({result['data']['texts']} texts, {result['data']['tokens']} tokens)</p>
 <table><tr><th>metric</th><th>value</th></tr>{rows}</table>
 <h2>Outputs</h2><table><tr><th>output</th><th>max abs err</th><th>mean abs err</th><th>p99 abs err</th></tr>{outs}</table>
+<h2>Where the error enters</h2><p>Each layer's output against the artifact tensor carrying it (relative error).</p>
+<table><tr><th>layer</th><th>relative error</th><th>artifact tensor</th></tr>{layers}</table>
 <h2>Plots</h2>{figs}
 </body></html>
 """

@@ -84,6 +84,13 @@ def test_fp32_perplexity_agrees_with_pytorch(trained):
     assert m["ppl_artifact"] == pytest.approx(direct, rel=1e-4)
     assert abs(m["ppl_increase_pct"]) < 0.01 and m["top1_agreement"] == 1.0 and m["kl_mean"] < 1e-6
     assert m["greedy_match_rate"] == 1.0 and 20 < direct < 400  # trained, not random (1024)
+    assert [r["layer"] for r in report["layers"]] == [1, 2] and all(r["relative_error"] < 1e-4 for r in report["layers"])
+
+
+def test_per_layer_table_locates_the_error(trained):
+    fp32, bad = (json.loads((trained["reports"][n] / "report.json").read_text())["layers"] for n in ("fp32", "bad"))
+    assert [r["layer"] for r in bad] == [1, 2]
+    assert bad[0]["relative_error"] > 100 * fp32[0]["relative_error"] and bad[0]["relative_error"] > 0.01
 
 
 def test_gate_passes_fp32_and_fails_the_degraded_artifact_naming_metrics(trained, tmp_path, monkeypatch, capsys):
@@ -128,7 +135,8 @@ def test_html_embeds_its_plots_and_needs_no_network(trained):
     assert all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in images)
     assert not re.search(r"(src|href)=\"(https?:)?//", page) and "<script" not in page
     md = (trained["reports"]["fp32"] / "report.md").read_text()
-    assert "perplexity increase (%)" in md and "| logits |" in md
+    assert "perplexity increase (%)" in md and "| logits |" in md and "Where the error enters" in md
+    assert "Where the error enters" in page
 
 
 def test_unusable_inputs_exit_2_with_a_clear_message(trained, tmp_path, monkeypatch, capsys):
