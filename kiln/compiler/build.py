@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 import kiln.runtimes as kr
 from kiln import __version__

@@ -60,12 +60,21 @@ def candidates(model: onnx.ModelProto, min_elements: int = 1024) -> dict[str, st
     return found
 
 
-def by_activation(weights: dict[str, str]) -> dict[str, list[str]]:
-    """``candidates`` grouped: activation -> the weights of the MatMuls reading it (Q/K/V share one)."""
+def calibrated_groups(g: Graph, channel_absmax: dict[str, np.ndarray], min_elements: int,
+                      skipped: list[Reason]) -> list[tuple[str, list[str], np.ndarray]]:
+    """(activation, the weights of the MatMuls reading it, its per-channel calibrated maximum): the unit
+    SmoothQuant and split-outliers rewrite (Q/K/V share one). Activations without a usable maximum are skipped."""
     groups: dict[str, list[str]] = {}
-    for weight, act in weights.items():
+    for weight, act in candidates(g.model, min_elements).items():
         groups.setdefault(act, []).append(weight)
-    return groups
+    found = []
+    for act, weights in groups.items():
+        amax = channel_absmax.get(act)
+        if amax is None or amax.shape != (g.constant(weights[0]).shape[0],):
+            skipped.append(Reason(act, "no per-channel calibration maximum of the right size"))
+        else:
+            found.append((act, weights, amax))
+    return found
 
 
 class QuantizeStaticQDQ(Pass):

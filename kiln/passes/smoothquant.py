@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_qdq import by_activation, candidates
+from kiln.passes.quantize_qdq import calibrated_groups
 
 # norm -> indices of its per-channel output scale and bias (SkipSimplified's input 3 is added before the norm)
 NORMS = {"LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,), "RMSNormalization": (1,),
@@ -51,13 +51,8 @@ class SmoothQuant(Pass):
         g = Graph(model)
         stats = {"smoothed": 0, "folded": 0, "inserted_mul": 0}
         skipped: list[Reason] = []
-        groups = by_activation(candidates(model, self.min_elements))
-        for act, weights in groups.items():
-            amax = self.channel_absmax.get(act)
+        for act, weights, amax in calibrated_groups(g, self.channel_absmax, self.min_elements, skipped):
             ws = [g.constant(w) for w in weights]
-            if amax is None or amax.shape != (ws[0].shape[0],):
-                skipped.append(Reason(act, "no per-channel calibration maximum of the right size"))
-                continue
             s = smoothing_factors(amax, np.max([np.abs(w).max(1) for w in ws], axis=0), self.alpha)
             for name, w in zip(weights, ws):
                 g.initializers[name].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), name))

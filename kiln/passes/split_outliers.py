@@ -22,7 +22,7 @@ from onnx import helper
 
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_qdq import by_activation, candidates
+from kiln.passes.quantize_qdq import calibrated_groups
 
 
 def outlier_channels(channel_absmax: np.ndarray, ratio: float, max_channels: int) -> np.ndarray:
@@ -48,14 +48,9 @@ class SplitOutlierChannels(Pass):
         g = Graph(model)
         stats = {"split": 0, "activations": 0, "channels": 0}
         skipped: list[Reason] = []
-        groups = by_activation(candidates(model, self.min_elements))
         new: list[onnx.NodeProto] = []
-        for act, weights in groups.items():
-            amax = self.channel_absmax.get(act)
-            k = g.constant(weights[0]).shape[0]
-            if amax is None or amax.shape != (k,):
-                skipped.append(Reason(act, "no per-channel calibration maximum of the right size"))
-                continue
+        for act, weights, amax in calibrated_groups(g, self.channel_absmax, self.min_elements, skipped):
+            k = len(amax)
             idx = outlier_channels(amax, self.ratio, self.max_channels)
             if len(idx) == 0:
                 continue
