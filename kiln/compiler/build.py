@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
 import kiln.runtimes as kr
 from kiln import __version__
 from kiln.compiler import cases as case_lib
