@@ -6,9 +6,10 @@
 - ``top1=A`` (decoders): the next-token argmax agrees on at least a fraction A of positions;
 - ``kl=K`` (decoders): the mean KL divergence of next-token distributions is at most K.
 Procedure:
-1. measure each weight's sensitivity: quantize it alone and record the metric;
-2. quantize everything; while the calibration split misses the budget with a quarter of the allowed
-   drop to spare, return the most sensitive remaining weight to FP32;
+1. quantize everything; if the calibration split meets the budget with a quarter of the allowed drop
+   to spare, that is the choice;
+2. otherwise measure each weight's sensitivity (quantize it alone, record the metric) and return the
+   most sensitive remaining weight to FP32 until the calibration split meets it with that margin;
 3. measure the chosen graph once on the held-out split (texts never used above) and record it.
 If even the FP32-heavy end of the search misses, the compile fails and says how close it got.
 Texts are split by a hash of their content, so the split does not depend on file order.
@@ -59,7 +60,7 @@ class Budget:
         return next_token_metrics(ref, got, feeds)[self.metric]
 
 
-# metric -> (model kind, what it means, valid range)
+# metric -> (model kind it applies to, what it means)
 METRICS = {"cosine": ("encoder", "minimum pooled-output cosine vs FP32, e.g. cosine=0.995"),
            "ppl": ("decoder", "perplexity increase in percent, e.g. ppl=2"),
            "top1": ("decoder", "next-token top-1 agreement with FP32, e.g. top1=0.98"),
@@ -101,26 +102,30 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def next_token_terms(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
+    """Per position: negative log-likelihood of the target under each, top-1 agreement, KL(ref || got).
+
+    ``ref``/``got``: logits (positions, vocab) that predict ``targets`` (positions,)."""
+    lr, lg = log_softmax(ref), log_softmax(got)
+    rows = np.arange(len(targets))
+    return {"nll_ref": -lr[rows, targets], "nll_got": -lg[rows, targets],
+            "agree": (lr.argmax(-1) == lg.argmax(-1)).astype(np.float64), "kl": (np.exp(lr) * (lr - lg)).sum(-1)}
+
+
 def next_token_metrics(ref: list[np.ndarray], got: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """Perplexity increase (%), top-1 agreement and mean KL(FP32 || quantized) over the real next-token positions.
 
     ``ref``/``got``: logits (batch, seq, vocab) per feed; a position counts when it and the next token are not padding."""
-    nll_ref = nll_got = agree = kl = 0.0
-    count = 0
+    terms = []
     for r, g, f in zip(ref, got, feeds):
-        ids, mask = f["input_ids"], f["attention_mask"].astype(bool)
+        mask = f["attention_mask"].astype(bool)
         valid = mask[:, :-1] & mask[:, 1:]
-        lr, lg = log_softmax(r[:, :-1][valid]), log_softmax(g[:, :-1][valid])
-        target = ids[:, 1:][valid]
-        rows = np.arange(len(target))
-        nll_ref -= float(lr[rows, target].sum())
-        nll_got -= float(lg[rows, target].sum())
-        agree += float((lr.argmax(-1) == lg.argmax(-1)).sum())
-        kl += float((np.exp(lr) * (lr - lg)).sum())
-        count += len(target)
-    if count == 0:
+        terms.append(next_token_terms(r[:, :-1][valid], g[:, :-1][valid], f["input_ids"][:, 1:][valid]))
+    t = {k: np.concatenate([x[k] for x in terms]) for k in ("nll_ref", "nll_got", "agree", "kl")}
+    if len(t["kl"]) == 0:
         raise UsageError("the calibration text gives no next-token positions; give texts of at least two tokens")
-    return {"ppl": 100.0 * (np.exp((nll_got - nll_ref) / count) - 1.0), "top1": agree / count, "kl": kl / count}
+    return {"ppl": 100.0 * (np.exp((t["nll_got"].sum() - t["nll_ref"].sum()) / len(t["kl"])) - 1.0),
+            "top1": float(t["agree"].mean()), "kl": float(t["kl"].mean())}
 
 
 def read_texts(path: str | None) -> list[str]:

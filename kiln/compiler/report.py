@@ -24,7 +24,7 @@ import numpy as np
 import kiln.runtimes as kr
 from kiln.compiler import cases as case_lib
 from kiln.compiler.load import load_checkpoint
-from kiln.compiler.quantize import log_softmax, read_texts
+from kiln.compiler.quantize import next_token_terms, read_texts
 from kiln.compiler.trace import EagerRunner
 from kiln.errors import UsageError
 
@@ -70,7 +70,7 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
     }
     errors: dict[str, list[np.ndarray]] = {}
     if kind == "decoder":
-        result |= decoder_metrics(model, eager, rows, errors, say)
+        result |= decoder_metrics(model, eager, rows, errors)
         result["metrics"]["greedy_match_rate"] = greedy_match_rate(model, ckpt, rows)
     else:
         result |= encoder_metrics(model, eager, rows, errors)
@@ -89,30 +89,24 @@ def _feeds(ids: list[int]) -> dict[str, np.ndarray]:
     return {"input_ids": arr, "attention_mask": np.ones_like(arr)}
 
 
-def decoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]], errors: dict[str, list[np.ndarray]],
-                    say: Progress) -> dict[str, Any]:
-    nll_ref = nll_art = 0.0
-    agree, count = 0, 0
-    kls: list[np.ndarray] = []
+def decoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
+                    errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
+    terms: list[dict[str, np.ndarray]] = []
     for ids in rows:
         feeds = _feeds(ids)
         got = model.run(feeds)["logits"][0].astype(np.float64)
         ref = eager.run({k: v for k, v in feeds.items() if k in eager.input_names})["logits"][0].astype(np.float64)
         errors.setdefault("logits", []).append(np.abs(got - ref).ravel())
-        lr, lg = log_softmax(ref[:-1]), log_softmax(got[:-1])
-        target = np.asarray(ids[1:])
-        pos = np.arange(len(target))
-        nll_ref -= float(lr[pos, target].sum())
-        nll_art -= float(lg[pos, target].sum())
-        agree += int((lr.argmax(-1) == lg.argmax(-1)).sum())
-        kls.append((np.exp(lr) * (lr - lg)).sum(-1))
-        count += len(target)
-    kl = np.concatenate(kls)
-    longest = max(len(k) for k in kls)
-    per_position = [float(np.mean([k[i] for k in kls if len(k) > i])) for i in range(longest)]
-    ppl_ref, ppl_art = float(np.exp(nll_ref / count)), float(np.exp(nll_art / count))
+        terms.append(next_token_terms(ref[:-1], got[:-1], np.asarray(ids[1:])))
+    kl = np.concatenate([t["kl"] for t in terms])
+    count = len(kl)
+    longest = max(len(t["kl"]) for t in terms)
+    per_position = [float(np.mean([t["kl"][i] for t in terms if len(t["kl"]) > i])) for i in range(longest)]
+    ppl_ref = float(np.exp(sum(t["nll_ref"].sum() for t in terms) / count))
+    ppl_art = float(np.exp(sum(t["nll_got"].sum() for t in terms) / count))
+    agree = sum(t["agree"].sum() for t in terms)
     return {"metrics": {"ppl_reference": ppl_ref, "ppl_artifact": ppl_art,
-                        "ppl_increase_pct": 100.0 * (ppl_art / ppl_ref - 1.0), "top1_agreement": agree / count,
+                        "ppl_increase_pct": 100.0 * (ppl_art / ppl_ref - 1.0), "top1_agreement": float(agree / count),
                         "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "positions": count},
             "kl_per_position": per_position}
 
