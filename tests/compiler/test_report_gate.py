@@ -187,3 +187,10 @@ def test_encoder_report_has_cosine_and_gates_on_it(artifacts, checkpoints, tmp_p
     assert m["cosine_min"] > 0.9999
     capsys.readouterr()
     assert main(["gate", str(tmp_path / "r" / "report.json"), "--min-cosine", "0.999"]) == 0
+
+
+def test_report_refuses_encoder_decoders_for_now(seq2seq_artifacts, trained, tmp_path, capsys):
+    art = seq2seq_artifacts["t5"]
+    source = json.loads((art / "manifest.json").read_text())["model"]["source"]["path"]
+    assert main(["report", str(art), "--reference", source, "--data", str(trained["data"]), "-o", str(tmp_path / "r")]) == 2
+    assert "measures encoder and decoder artifacts" in capsys.readouterr().err and not (tmp_path / "r").exists()
