@@ -2,8 +2,8 @@
 checkpoint or another artifact, alternating so that machine drift hits every system alike.
 
 Per batch size x sequence length: p50/p90/p99 latency of a full forward pass (for decoders: the
-prefill) and throughput; for decoders also decode tokens/s (greedy steps through the KV cache, the
-prefill subtracted); ratios against the first system. Each system gets a warm-up, then timed runs
+prefill; for encoder-decoders: the encoder over the source) and throughput; for both also decode
+tokens/s (greedy steps through the KV cache, the prefill subtracted); ratios against the first system. Each system gets a warm-up, then timed runs
 in ``rounds`` alternating rounds until its share of ``budget_s`` is spent (at least 3 runs a round).
 Peak resident memory is the process's (every system shares it); artifact size is on disk.
 """
@@ -34,10 +34,16 @@ class System:
 
 
 def artifact_system(path: str | Path, threads: int | None) -> tuple[System, kr.Model]:
+    from kiln.runtimes.base import prepare_feeds
+
     model = kr.load(path, threads=threads, session_config={"session.intra_op.allow_spinning": "0"})
     decoder = "kv_cache" in model.manifest.data
+    seq2seq = "encoder" in model.runtimes
 
     def forward(ids: np.ndarray, mask: np.ndarray) -> Any:
+        if seq2seq:  # the encoder pass: what a request costs before its first decoder step
+            feeds = prepare_feeds(model.manifest.inputs, {"input_ids": ids, "attention_mask": mask}, model.max_sequence_length)
+            return model.runtimes["encoder"].run(feeds)
         return model.run({"input_ids": ids, "attention_mask": mask})
 
     def generate(ids: np.ndarray, new: int) -> Any:
@@ -58,6 +64,8 @@ def eager_system(path: str | Path, threads: int | None, decoder: bool) -> System
 
     def forward(ids: np.ndarray, mask: np.ndarray) -> Any:
         with torch.inference_mode():
+            if ckpt.kind == "seq2seq":
+                return ckpt.model.get_encoder()(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
             return ckpt.model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
 
     def generate(ids: np.ndarray, new: int) -> Any:
@@ -102,11 +110,17 @@ def bench(artifact: str | Path, batch_sizes: list[int], seq_lens: list[int], eag
     limit = model.max_sequence_length
     capacity = model.manifest.data.get("kv_cache", {}).get("capacity", limit)
     vocab = int(model.manifest.data["model"].get("vocab_size") or 1000)
-    too_long = [s for s in seq_lens if s > limit or (decoder and s + DECODE_TOKENS > capacity)]
+    seq2seq = model.manifest.data["model"]["kind"] == "seq2seq"
+    if seq2seq and capacity <= DECODE_TOKENS:
+        raise UsageError(f"{artifact}'s decoder cache holds {capacity} positions; bench needs {DECODE_TOKENS + 1}: "
+                         f"recompile with a larger --max-length")
+    # decoders: prompt and new tokens share the cache; encoder-decoders: the source is the encoder's alone
+    room = min(limit, capacity - DECODE_TOKENS) if decoder and not seq2seq else limit
+    too_long = [s for s in seq_lens if s > room]
     if too_long:
-        room = min(limit, capacity - DECODE_TOKENS) if decoder else limit
         raise UsageError(f"--seq-len {too_long[0]} does not fit {artifact} (at most {room}"
-                         f"{' with ' + str(DECODE_TOKENS) + ' decode tokens' if decoder else ''}); give a shorter length")
+                         f"{' with ' + str(DECODE_TOKENS) + ' decode tokens' if decoder and not seq2seq else ''}); "
+                         "give a shorter length")
     rng = np.random.default_rng(0)
     results = []
     for batch in batch_sizes:
@@ -153,7 +167,7 @@ def bench(artifact: str | Path, batch_sizes: list[int], seq_lens: list[int], eag
 
 
 def table(result: dict[str, Any]) -> str:
-    decoder = result["kind"] == "decoder"
+    decoder = result["kind"] in ("decoder", "seq2seq")
     head = f"{'batch':>5} {'seq':>5} {'system':<9} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} " + \
         (f"{'prefill tok/s':>14} {'decode tok/s':>13}" if decoder else f"{'seq/s':>9} {'tok/s':>10}") + f" {'artifact speed-up':>18}"
     lines = [f"{result['artifact']} ({result['kind']}, {result['precision']}): {result['artifact_size_mb']:.1f} MB on disk, "

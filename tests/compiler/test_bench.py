@@ -44,3 +44,13 @@ def test_bench_input_errors(artifacts, tmp_path, capsys):
     assert main(["bench", str(artifacts["bert"]), "--batch-size", "0", "-q"]) == 2
     assert main(["bench", str(tmp_path / "missing"), "-q"]) != 0
     assert "missing" in capsys.readouterr().err
+
+
+def test_encoder_decoder_times_the_encoder_and_decoding(seq2seq_artifacts, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(seq2seq_artifacts["bart"]), "--seq-len", "10", "--budget-seconds", "0.2", "--rounds", "1",
+                 "-q", "--json", str(out)]) == 0
+    assert "decode tok/s" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    r = data["results"][0]["systems"]["artifact"]
+    assert data["kind"] == "seq2seq" and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
