@@ -24,8 +24,8 @@ from kiln.compiler.trace import io_specs
 from kiln.errors import UsageError
 from kiln.passes import Pass, run_passes
 from kiln.passes.calibration import Statistics, expose, ranges
-from kiln.passes.quantize_int8 import QuantizeDynamicInt8, weights
-from kiln.passes.quantize_qdq import QuantizeStaticQDQ, candidates
+from kiln.passes.quantize_int8 import QuantizeDynamicInt8, candidates, weights
+from kiln.passes.quantize_qdq import QuantizeStaticQDQ
 from kiln.passes.smoothquant import SmoothQuant
 from kiln.passes.split_outliers import SplitOutlierChannels
 

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from kiln.errors import KilnError, UsageError
-from kiln.passes.quantize_qdq import candidates
+from kiln.passes.quantize_int8 import candidates
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from kiln.compiler.load import load_checkpoint
 from kiln.compiler.quantize import next_token_terms, read_texts
 from kiln.compiler.trace import EagerRunner
 from kiln.errors import UsageError
+from kiln.runtimes.base import prepare_feeds
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +169,12 @@ def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]]) 
                                                            "LayerNormalization", "SkipSimplifiedLayerNormalization",
                                                            "SkipLayerNormalization") for o in n.output[:4] if o]
     sess = ort.InferenceSession(expose(graph, names).SerializeToString(), providers=["CPUExecutionProvider"])
-    kv = model.manifest.data.get("kv_cache")
+    wanted = {i.name for i in sess.get_inputs()}
     per_layer: dict[int, list[tuple[str, float]]] = {}
     for ids in rows:
         feeds = _feeds(ids)
-        full = {"token_type_ids": np.zeros_like(feeds["input_ids"]), **feeds}
-        if kv:
-            full |= {p: np.zeros((1, kv["num_kv_heads"], 0, kv["head_size"]), np.float32) for p in kv["past"]}
-        wanted = {i.name for i in sess.get_inputs()}
+        # the runtime's own filling of optional inputs (token types, an empty KV cache)
+        full = prepare_feeds(model.manifest.inputs, feeds, model.max_sequence_length)
         got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in full.items() if k in wanted})))
         with torch.inference_mode():
             hidden = ckpt.model(input_ids=torch.from_numpy(feeds["input_ids"]), output_hidden_states=True).hidden_states

@@ -45,17 +45,34 @@ def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
     return ((np.clip(np.rint(x / scale) + zero, 0, 255) - zero) * scale).astype(np.float32)
 
 
+def matmul_weight(g: Graph, node: onnx.NodeProto, min_elements: int) -> np.ndarray | None:
+    """The weight of a MatMul the quantizers take (2-D FP32 constant, at least ``min_elements`` elements
+    and ``MIN_INNER`` input channels), else None. Shared by both quantizers and the budget."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return None
+    w = g.constant(node.input[1])
+    if w is None or w.ndim != 2 or w.dtype != np.float32 or w.size < min_elements or w.shape[0] < MIN_INNER:
+        return None
+    return w
+
+
+def candidates(model: onnx.ModelProto, min_elements: int = 1024) -> dict[str, str]:
+    """MatMul weight name -> its activation input, for every MatMul ``matmul_weight`` accepts."""
+    g = Graph(model)
+    return {n.input[1]: n.input[0] for n in g.g.node if matmul_weight(g, n, min_elements) is not None}
+
+
 def weights(model: onnx.ModelProto, min_elements: int = 1024) -> list[str]:
-    """Every weight the pass can quantize: MatMul weights, then fused Attention's packed QKV weights."""
+    """Every weight this pass can quantize, in graph order: MatMul weights and fused Attention's packed QKV weights."""
     g = Graph(model)
     found = []
     for n in g.g.node:
-        w = g.constant(n.input[1]) if len(n.input) > 1 else None
-        if w is None or w.ndim != 2 or w.dtype != np.float32:
-            continue
-        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and w.size >= min_elements and w.shape[0] >= MIN_INNER \
-                or n.op_type == "Attention" and n.domain == MS_DOMAIN:
+        if matmul_weight(g, n, min_elements) is not None:
             found.append(n.input[1])
+        elif n.op_type == "Attention" and n.domain == MS_DOMAIN:
+            w = g.constant(n.input[1])
+            if w is not None and w.ndim == 2 and w.dtype == np.float32:
+                found.append(n.input[1])
     return found
 
 

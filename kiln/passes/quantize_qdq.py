@@ -24,7 +24,7 @@ from onnx import helper
 from kiln.errors import KilnError
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_int8 import MIN_INNER, quantize_per_column
+from kiln.passes.quantize_int8 import candidates, quantize_per_column
 
 
 def activation_qparams(lo: float, hi: float, symmetric: bool) -> tuple[np.float32, np.integer]:
@@ -44,20 +44,6 @@ def quantize_linear(x: np.ndarray, scale: np.float32, zero: np.integer) -> np.nd
 
 def dequantize_linear(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | np.integer = 0) -> np.ndarray:
     return ((q.astype(np.int32) - np.asarray(zero).astype(np.int32)) * scale).astype(np.float32)
-
-
-def candidates(model: onnx.ModelProto, min_elements: int = 1024) -> dict[str, str]:
-    """MatMul weight name -> its activation input, for every MatMul with a 2-D FP32 constant weight
-    of at least ``min_elements`` elements and ``MIN_INNER`` input channels."""
-    g = Graph(model)
-    found = {}
-    for n in g.g.node:
-        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx"):
-            w = g.constant(n.input[1])
-            if w is not None and w.ndim == 2 and w.dtype == np.float32 and w.size >= min_elements \
-                    and w.shape[0] >= MIN_INNER:
-                found[n.input[1]] = n.input[0]
-    return found
 
 
 def calibrated_groups(g: Graph, channel_absmax: dict[str, np.ndarray], min_elements: int,
