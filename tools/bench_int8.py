@@ -28,7 +28,7 @@ from bench_encoder import SESSION_CONFIG, build_anchor, cpu_name, median_ms  # n
 def heldout_sentences(n: int = 200) -> list[str]:
     import pydoc_data.topics as topics
 
-    from kiln.compiler.quantize import read_texts
+    from kiln.compiler.corpus import read_texts
 
     used = set(read_texts(None))
     raw = " ".join(topics.topics.values()).replace("\n", " ").split(". ")

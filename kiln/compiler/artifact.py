@@ -4,37 +4,13 @@ place only once it is complete, so a failed or interrupted compile never leaves 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import platform
 import shutil
 import tempfile
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from kiln.errors import UsageError
-from kiln.runtimes.artifact import MANIFEST, sha256_file
-
-_TOOLS = ("kiln", "torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "numpy", "tokenizers")
-
-
-def tool_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in _TOOLS:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[name] = metadata.version(name)
-    return versions
-
-
-def write_manifest(root: Path, data: dict[str, Any]) -> None:
-    """Write ``manifest.json`` with the sha256 of every other file in ``root``."""
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-    data = dict(data, files={p.relative_to(root).as_posix(): sha256_file(p) for p in files})
-    tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(root / MANIFEST)
 
 
 def check_output(output: Path, force: bool) -> None:

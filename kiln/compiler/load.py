@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.scoped import quiet_transformers
 from kiln.errors import CheckpointError, UnsupportedModelError
 from kiln.runtimes.artifact import sha256_file
 
@@ -19,25 +19,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Family:
-    kind: str  # encoder | decoder
+    """What the loader learned about an architecture from its config and modules (never from a list of names)."""
+
+    kind: str  # encoder | decoder | seq2seq
     token_type_ids: bool = False
-    position_offset: int = 0  # positions the embedding table reserves (roberta: padding_idx + 1)
-    max_length_key: str = "max_position_embeddings"
-    attention: str = "sdpa"  # attn_implementation to load with (T5's sdpa path does not export)
+    position_offset: int = 0  # positions the embedding table reserves (roberta-style: padding_idx + 1)
+    attention: str = "sdpa"  # attn_implementation it was loaded with
 
 
-FAMILIES: dict[str, Family] = {
-    "bert": Family("encoder", token_type_ids=True),
-    "roberta": Family("encoder", position_offset=2),
-    "distilbert": Family("encoder"),
-    "gpt2": Family("decoder", max_length_key="n_positions"),
-    "llama": Family("decoder"),
-    "qwen2": Family("decoder"),
-    "mistral": Family("decoder"),
-    "t5": Family("seq2seq", max_length_key="n_positions", attention="eager"),
-    "bart": Family("seq2seq"),
-    "marian": Family("seq2seq"),
-}
+# Load-time quirks of otherwise supported architectures (not an allow-list: every model_type transformers
+# can load is tried). T5's sdpa attention path does not export with torch.onnx's dynamo exporter.
+ATTENTION_QUIRKS = {"t5": "eager", "mt5": "eager", "umt5": "eager"}
+MAX_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 TASKS_BY_KIND = {
     "encoder": ("feature-extraction", "sequence-classification", "token-classification"),
@@ -66,10 +59,26 @@ class Checkpoint:
     pooling: dict[str, Any] | None = None
     labels: dict[int, str] | None = None
     tokenizer_files: list[str] = field(default_factory=list)
+    tokenizer: Any | None = None
+    """The fast tokenizer, or None (then verification uses random ids only)."""
+    tokenizer_problem: str | None = None
+    """Why a shipped tokenizer was not usable; warned about and recorded in the manifest."""
 
     @property
     def kind(self) -> str:
         return self.family.kind
+
+    @property
+    def padding_side(self) -> str:
+        return "left" if self.kind == "decoder" else "right"
+
+    @property
+    def pad_token_id(self) -> int:
+        for value in (getattr(self.tokenizer, "pad_token_id", None), self.config.pad_token_id,
+                      getattr(self.tokenizer, "eos_token_id", None), self.config.eos_token_id):
+            if isinstance(value, int):
+                return value
+        return 0
 
 
 def task_for_architecture(arch: str) -> str | None:
@@ -103,18 +112,35 @@ def read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def resolve(path: Path, cfg: dict[str, Any], task: str | None) -> tuple[Family, str, str]:
-    """Pick the family and task, or say exactly what is supported."""
+def model_kind(path: Path, cfg: dict[str, Any], arch: str) -> str:
+    """encoder, decoder or seq2seq, from the config and the heads transformers registers for its model_type."""
+    from transformers.models.auto import modeling_auto as auto
+
     model_type = cfg["model_type"]
-    family = FAMILIES.get(model_type)
-    if family is None:
+    if model_type not in auto.MODEL_MAPPING_NAMES:
+        import transformers
+
         raise UnsupportedModelError(
-            f"checkpoint {path} has model_type {model_type!r}, which kiln does not support; "
-            f"supported: {', '.join(sorted(FAMILIES))}"
-        )
+            f"checkpoint {path} has model_type {model_type!r}, which transformers {transformers.__version__} cannot "
+            "load; upgrade transformers or convert the checkpoint to an architecture it knows")
+    if cfg.get("is_encoder_decoder") or model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES and \
+            model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "seq2seq"
+    if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+        return "decoder"
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # bidirectional: bert, roberta, electra, ...
+        return "encoder"
+    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "decoder"
+    return "encoder"
+
+
+def resolve(path: Path, cfg: dict[str, Any], task: str | None) -> tuple[str, str, str]:
+    """Pick the model kind and task, or say exactly what is supported."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else ""
-    allowed = TASKS_BY_KIND[family.kind]
+    kind = model_kind(path, cfg, arch)
+    allowed = TASKS_BY_KIND[kind]
     if task is None:
         task = task_for_architecture(arch)
         if task is None or task not in allowed:
@@ -124,9 +150,9 @@ def resolve(path: Path, cfg: dict[str, Any], task: str | None) -> tuple[Family, 
             )
     elif task not in allowed:
         raise UnsupportedModelError(
-            f"task {task!r} is not supported for {family.kind} {model_type!r}; choose one of {', '.join(allowed)}"
+            f"task {task!r} is not supported for {kind} {cfg['model_type']!r}; choose one of {', '.join(allowed)}"
         )
-    return family, task, arch
+    return kind, task, arch
 
 
 def check_weights(path: Path) -> list[Path]:
@@ -235,21 +261,21 @@ def read_pooling(path: Path) -> dict[str, Any] | None:
 
 
 def max_length(cfg: Any, family: Family) -> int:
-    n = getattr(cfg, family.max_length_key, None) or 512
+    n = next((getattr(cfg, k) for k in MAX_LENGTH_KEYS if isinstance(getattr(cfg, k, None), int)), 512)
     return int(n) - family.position_offset
 
 
-def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
-    path = Path(path)
-    raw = read_config(path)
-    family, task, arch = resolve(path, raw, task)
-    check_weights(path)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def _from_pretrained(auto: Any, path: Path, attention: str) -> tuple[Any, dict[str, Any]]:
     import torch
+
+    return auto.from_pretrained(str(path), local_files_only=True, trust_remote_code=False, dtype=torch.float32,
+                                attn_implementation=attention, output_loading_info=True)
+
+
+def load_model(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, Any], str]:
+    """The eager model, with sdpa attention where the architecture has it (eager otherwise)."""
     import transformers
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     auto = {
         "feature-extraction": transformers.AutoModel,
         "sequence-classification": transformers.AutoModelForSequenceClassification,
@@ -257,14 +283,29 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
         "causal-lm": transformers.AutoModelForCausalLM,
         "text2text-generation": transformers.AutoModelForSeq2SeqLM,
     }[task]
+    attention = ATTENTION_QUIRKS.get(model_type, "sdpa")
     try:
-        model, info = auto.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=False, dtype=torch.float32,
-            attn_implementation=family.attention, output_loading_info=True,
-        )
+        try:
+            model, info = _from_pretrained(auto, path, attention)
+        except ValueError as e:  # "... does not support an attention implementation through ... sdpa"
+            if attention != "sdpa" or "scaled_dot_product_attention" not in str(e):
+                raise
+            attention = "eager"
+            model, info = _from_pretrained(auto, path, attention)
     except Exception as e:  # transformers raises many types for one bad checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from e
+    return model, info, attention
+
+
+def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
+    path = Path(path)
+    raw = read_config(path)
+    kind, task, arch = resolve(path, raw, task)
+    check_weights(path)
+    with quiet_transformers():
+        model, info, attention = load_model(path, task, raw["model_type"])
+        tokenizer, problem = load_tokenizer(path)
     missing = [k for k in info.get("missing_keys", []) if k]
     mismatched = info.get("mismatched_keys", [])
     if missing or mismatched:
@@ -275,12 +316,42 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
         )
     model.eval()
     cfg = model.config
+    embeddings = getattr(model.base_model, "embeddings", None)
+    padding_idx = getattr(embeddings, "padding_idx", None)  # roberta-style positions start after padding_idx
+    family = Family(kind, token_type_ids=kind == "encoder" and (getattr(cfg, "type_vocab_size", 0) or 0) > 1,
+                    position_offset=padding_idx + 1 if isinstance(padding_idx, int) else 0, attention=attention)
     labels = None
     if task in ("sequence-classification", "token-classification"):
         labels = {int(k): str(v) for k, v in (cfg.id2label or {}).items()}
-    pooling = read_pooling(path) if family.kind == "encoder" and task == "feature-extraction" else None
+    pooling = read_pooling(path) if kind == "encoder" and task == "feature-extraction" else None
     return Checkpoint(
         path=path, config=cfg, family=family, model_type=raw["model_type"], architecture=arch or type(model).__name__,
         task=task, model=model, max_length=max_length(cfg, family), sha256=checkpoint_sha256(path),
         pooling=pooling, labels=labels, tokenizer_files=[n for n in TOKENIZER_FILES if (path / n).is_file()],
+        tokenizer=tokenizer, tokenizer_problem=problem,
     )
+
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def load_tokenizer(path: Path) -> tuple[Any | None, str | None]:
+    """The checkpoint's fast tokenizer, or (None, why) when it ships none kiln can use.
+
+    transformers builds an empty tokenizer for a directory without tokenizer files (GPT-2, Qwen2): one
+    that gives no token for real text is no tokenizer at all."""
+    if not any((path / n).is_file() for n in TOKENIZER_FILES if n != "sentence_bert_config.json"):
+        return None, None  # none shipped: random-id verification, nothing to warn about
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # corrupt tokenizer.json, missing vocab, unknown class...
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return None, f"its tokenizer files could not be loaded ({first})"
+    if not getattr(tok, "is_fast", False):
+        return None, f"its tokenizer ({type(tok).__name__}) is not a fast tokenizer"
+    special = set(tok.all_special_ids)
+    if not [i for i in tok(PROBE_TEXT, add_special_tokens=False)["input_ids"] if i not in special]:
+        return None, f"its tokenizer gives no tokens for text ({len(tok)} entries in the vocabulary)"
+    return tok, None

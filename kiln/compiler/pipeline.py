@@ -1,14 +1,24 @@
-"""The pass pipeline as data: which passes run for a target, model kind and precision, in order,
-and the fusion coverage check that refuses to pass a half-fused graph off as optimised."""
+"""The pass pipeline as data: named stages, and one recipe row per (target, model kind, precision)
+listing them in order. Adding a precision or a pass is a row or a name in a row; every row is spelt
+out in full, so a pass added to one recipe never shifts another.
+
+A stage is calibrated when it is built from statistics of the graph it receives (SmoothQuant, outlier
+splitting, the quantizers): the compiler's INT8 driver (``kiln.compiler.quantize.int8``) runs the
+graph on calibration text and hands the numbers in. After the pipeline, the fusion coverage check
+refuses to pass a half-fused graph off as optimised.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.compiler.options import CompileOptions
 from kiln.errors import KilnError, UsageError
 from kiln.passes import Pass
+from kiln.passes.canonicalize_attention import CanonicalizeAttention
+from kiln.passes.check_tensorrt import CheckTensorRTOps
 from kiln.passes.cleanup import (
     DeduplicateInitializers,
     EliminateDeadNodes,
@@ -17,22 +27,22 @@ from kiln.passes.cleanup import (
     FoldConstants,
     GemmToMatMul,
 )
-from kiln.passes.canonicalize_attention import CanonicalizeAttention
-from kiln.passes.check_tensorrt import CheckTensorRTOps
 from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_gqa import FuseGroupQueryAttention
-from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
 from kiln.passes.fuse_mha import FuseMultiHeadAttention
+from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
 from kiln.passes.kv_cache import AddKVCache
+from kiln.passes.pin_norms import PinNormsFP32
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
-from kiln.passes.pin_norms import PinNormsFP32
+from kiln.passes.smoothquant import SmoothQuant
+from kiln.passes.split_outliers import SplitOutlierChannels
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What passes may know about the model, handed to them (passes never read checkpoints)."""
+    """What passes may know about the model (one graph of it), handed to them: passes never read checkpoints."""
 
     kind: str
     num_layers: int
@@ -42,117 +52,152 @@ class ModelFacts:
     max_length: int
     sliding_windows: tuple[int | None, ...] = ()
     """Per layer, in graph order: the attention window, or None for full attention."""
+    attentions_per_layer: int = 1
+    """Attention blocks per layer in this graph (an encoder-decoder's decoder: self + cross)."""
+
+
+@dataclass
+class StageData:
+    """What the INT8 driver measured for a calibrated stage (absent for the others)."""
+
+    channel_absmax: dict[str, Any] = field(default_factory=dict)
+    ranges: dict[str, tuple[float, float]] | None = None
+    keep_fp32: tuple[str, ...] = ()
+
+
+Make = Callable[[ModelFacts, CompileOptions, StageData], Pass]
+
+
+@dataclass(frozen=True)
+class Stage:
+    make: Make
+    calibrated: bool = False
+    """Built from calibration statistics of the graph it receives."""
+    quantizer: bool = False
+    """Turns weights INT8: the accuracy budget chooses its ``keep_fp32``."""
+    when: Callable[[CompileOptions], bool] = lambda o: True
+    """Runs only when the options ask for it (SmoothQuant's alpha, a non-zero outlier ratio)."""
+    coverage: str | None = None
+    """The stat that counts fusions: checked against one per attention block after the pipeline."""
+
+
+STAGES: dict[str, Stage] = {
+    "eliminate-identity": Stage(lambda f, o, d: EliminateIdentity()),
+    "fold-constants": Stage(lambda f, o, d: FoldConstants()),
+    "dedup-initializers": Stage(lambda f, o, d: DeduplicateInitializers()),
+    "eliminate-unused-io": Stage(lambda f, o, d: EliminateUnusedIO()),
+    "fuse-attention": Stage(lambda f, o, d: FuseAttention(num_heads=f.num_heads), coverage="fused"),
+    "fuse-gqa": Stage(lambda f, o, d: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows),
+                      coverage="fused"),
+    "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers"),
+    "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(f.num_heads, f.head_size), coverage="fused"),
+    "fuse-bias-gelu": Stage(lambda f, o, d: FuseBiasGelu()),
+    # RMSNorm: ORT's CPU kernel is fast, so residual RMSNorms become SkipSimplifiedLayerNormalization and the
+    # rest stay whole (prefill 36.1 vs 37.4 ms decomposed, 32M Llama, batch 1 x 128).
+    "fuse-skip-layernorm": Stage(lambda f, o, d: FuseSkipLayerNorm(norms=("RMSNormalization",))),
+    # LayerNorms are decomposed rather than fused into SkipLayerNormalization: ORT's CPU LayerNorm kernel is
+    # 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py).
+    "decompose-norm": Stage(lambda f, o, d: DecomposeNorm()),
+    "canonicalize-attention": Stage(lambda f, o, d: CanonicalizeAttention(f.head_size), coverage="canonical"),
+    "pin-norms-fp32": Stage(lambda f, o, d: PinNormsFP32()),
+    "check-tensorrt-ops": Stage(lambda f, o, d: CheckTensorRTOps()),
+    "gemm-to-matmul": Stage(lambda f, o, d: GemmToMatMul()),
+    "smoothquant": Stage(lambda f, o, d: SmoothQuant(d.channel_absmax, o.smoothquant), calibrated=True,
+                         when=lambda o: o.smoothquant is not None),
+    "split-outliers": Stage(lambda f, o, d: SplitOutlierChannels(d.channel_absmax, o.outlier_ratio), calibrated=True,
+                            when=lambda o: bool(o.outlier_ratio)),
+    "quantize-int8": Stage(lambda f, o, d: QuantizeDynamicInt8(keep_fp32=d.keep_fp32), calibrated=True, quantizer=True),
+    # ONNX Runtime CPU takes asymmetric uint8 activations; TensorRT only symmetric int8 (the gate checks it)
+    "quantize-qdq": Stage(lambda f, o, d: QuantizeStaticQDQ(d.ranges, symmetric=o.target == "tensorrt",
+                                                            keep_fp32=d.keep_fp32), calibrated=True, quantizer=True),
+    "eliminate-dead-nodes": Stage(lambda f, o, d: EliminateDeadNodes()),
+}
+
+CLEANUP = ("eliminate-identity", "fold-constants", "dedup-initializers", "eliminate-unused-io")
+INT8 = ("gemm-to-matmul", "smoothquant", "split-outliers")
+"""Before a quantizer: one weight-MatMul form (GPT-2's Conv1D exports as Gemm), then the calibrated rewrites."""
+
+# (target, kind, precision) -> stage names in order. Precision "int8-static" is INT8 in QDQ form
+# (``--static``; TensorRT's only INT8). TensorRT: standard-domain ops only (checked last by a gate), attention
+# in the canonical form its fused MHA kernel takes, norms kept whole (TensorRT fuses them) and pinned to
+# FP32 when the graph is reduced precision. Every recipe is verified on ONNX Runtime CPU.
+RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
+    ("cpu", "encoder", "fp32"): (*CLEANUP, "fuse-attention", "fuse-bias-gelu", "decompose-norm", "eliminate-dead-nodes"),
+    # the fused Attention becomes QAttention (its packed QKV GEMM in INT8, as ONNX Runtime's quantizer does)
+    ("cpu", "encoder", "int8"): (*CLEANUP, "fuse-attention", "fuse-bias-gelu", "decompose-norm", *INT8,
+                                 "quantize-int8", "eliminate-dead-nodes"),
+    # fuse-mha keeps Q/K/V plain MatMuls the QDQ pairs can wrap
+    ("cpu", "encoder", "int8-static"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", *INT8,
+                                        "quantize-qdq", "eliminate-dead-nodes"),
+    ("cpu", "decoder", "fp32"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+                                 "decompose-norm", "eliminate-dead-nodes"),
+    ("cpu", "decoder", "int8"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+                                 "decompose-norm", *INT8, "quantize-int8", "eliminate-dead-nodes"),
+    ("cpu", "decoder", "int8-static"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+                                        "decompose-norm", *INT8, "quantize-qdq", "eliminate-dead-nodes"),
+    ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "decompose-norm", "eliminate-dead-nodes"),
+    ("tensorrt", "encoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
+                                      "check-tensorrt-ops"),
+    ("tensorrt", "decoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
+                                      "check-tensorrt-ops"),
+    ("tensorrt", "encoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",
+                                             "eliminate-dead-nodes", "check-tensorrt-ops"),
+    ("tensorrt", "decoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",
+                                             "eliminate-dead-nodes", "check-tensorrt-ops"),
+}
 
 
 class FusionCoverageError(KilnError):
-    """Fewer fusions than the model has layers: the graph would ship half-optimised."""
+    """Fewer fusions than the model has attention blocks: the graph would ship half-optimised."""
 
 
-PassFactory = Callable[[ModelFacts], Pass]
-
-# ONNX Runtime CPU. LayerNorms are decomposed rather than fused into SkipLayerNormalization: ORT's CPU
-# LayerNorm kernel is 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py).
-CLEANUP: list[PassFactory] = [lambda f: EliminateIdentity(), lambda f: FoldConstants(), lambda f: DeduplicateInitializers(),
-                              lambda f: EliminateUnusedIO()]
-# TensorRT: standard-domain ops only (checked last by a gate), attention in the canonical form its
-# fused MHA kernel takes, norms kept whole (TensorRT fuses them) and pinned to FP32 when the graph is
-# reduced precision. Verified on ONNX Runtime CPU like every artifact.
-TENSORRT: list[PassFactory] = [
-    *CLEANUP,
-    lambda f: CanonicalizeAttention(f.head_size),
-    lambda f: PinNormsFP32(),
-    lambda f: EliminateDeadNodes(),
-    lambda f: CheckTensorRTOps(),
-]
-PIPELINES: dict[tuple[str, str, str], list[PassFactory]] = {
-    ("tensorrt", "encoder", "fp32"): TENSORRT,
-    ("tensorrt", "decoder", "fp32"): TENSORRT,
-    ("cpu", "encoder", "fp32"): [
-        *CLEANUP,
-        lambda f: FuseAttention(num_heads=f.num_heads),
-        lambda f: FuseBiasGelu(),
-        lambda f: DecomposeNorm(),
-        lambda f: EliminateDeadNodes(),
-    ],
-    # RMSNorm: ORT's CPU kernel is fast, so residual RMSNorms become SkipSimplifiedLayerNormalization
-    # and the rest stay whole (prefill 36.1 vs 37.4 ms decomposed, 32M Llama, batch 1 x 128).
-    ("cpu", "decoder", "fp32"): [
-        *CLEANUP,
-        lambda f: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows),
-        lambda f: AddKVCache(f.num_kv_heads, f.head_size),
-        lambda f: FuseBiasGelu(),
-        lambda f: FuseSkipLayerNorm(norms=("RMSNormalization",)),
-        lambda f: DecomposeNorm(ops=("LayerNormalization",)),
-        lambda f: EliminateDeadNodes(),
-    ],
-}
-
-# INT8 (dynamic): the FP32 fusions first, then every weight quantized: MatMuls -> DynamicQuantizeMatMul,
-# the encoders' packed Attention -> QAttention (its QKV GEMM in INT8, as ONNX Runtime's own quantizer does).
-PIPELINES[("cpu", "encoder", "int8")] = [
-    *CLEANUP,
-    lambda f: FuseAttention(num_heads=f.num_heads),
-    lambda f: FuseBiasGelu(),
-    lambda f: DecomposeNorm(),
-    lambda f: GemmToMatMul(),
-    lambda f: QuantizeDynamicInt8(),
-    lambda f: EliminateDeadNodes(),
-]
-PIPELINES[("cpu", "decoder", "int8")] = [
-    *PIPELINES[("cpu", "decoder", "fp32")][:-1], lambda f: GemmToMatMul(), lambda f: QuantizeDynamicInt8(),
-    lambda f: EliminateDeadNodes()]
-# Static INT8 (QDQ): calibrated Quantize/DequantizeLinear pairs on weight MatMul inputs, asymmetric uint8
-# activations on ONNX Runtime CPU, symmetric int8 for TensorRT (its only kind; the gate checks it).
-# Encoders use fuse-mha so that Q/K/V stay plain MatMuls the QDQ pairs can wrap.
-PIPELINES[("cpu", "encoder", "int8-static")] = [
-    *CLEANUP,
-    lambda f: FuseMultiHeadAttention(f.num_heads, f.head_size),
-    lambda f: FuseBiasGelu(),
-    lambda f: DecomposeNorm(),
-    lambda f: GemmToMatMul(),
-    lambda f: QuantizeStaticQDQ(),
-    lambda f: EliminateDeadNodes(),
-]
-PIPELINES[("cpu", "decoder", "int8-static")] = [
-    *PIPELINES[("cpu", "decoder", "int8")][:-2], lambda f: QuantizeStaticQDQ(), lambda f: EliminateDeadNodes()]
-for _kind in ("encoder", "decoder"):
-    PIPELINES[("tensorrt", _kind, "int8-static")] = [
-        *TENSORRT[:-2], lambda f: GemmToMatMul(), lambda f: QuantizeStaticQDQ(symmetric=True), *TENSORRT[-2:]]
-
-# pass name -> (stat that counts fusions, expected count per layer); checked after the pipeline
-COVERAGE: dict[str, tuple[str, int]] = {
-    "fuse-attention": ("fused", 1),
-    "fuse-gqa": ("fused", 1),
-    "canonicalize-attention": ("canonical", 1),
-    "kv-cache": ("layers", 1),
-    "fuse-mha": ("fused", 1),
-}
+def precision_mode(options: CompileOptions) -> str:
+    """The recipe column: fp32, int8 (dynamic) or int8-static (QDQ; TensorRT's INT8 is always static)."""
+    if options.precision == "int8" and (options.static or options.target == "tensorrt"):
+        return "int8-static"
+    return options.precision
 
 
-def select_passes(facts: ModelFacts, precision: str, target: str = "cpu", static: bool = False) -> list[Pass]:
-    """The pipeline for a target, model kind and precision; TensorRT's INT8 is always static (QDQ)."""
-    key = f"{precision}-static" if precision == "int8" and (static or target == "tensorrt") else precision
-    pipeline = PIPELINES.get((target, facts.kind, key))
-    if pipeline is None:
-        raise UsageError(f"precision {key} is not available for {facts.kind} models on target {target}; "
-                        f"compile with --precision fp32 or --target cpu")
-    return [make(facts) for make in pipeline]
+def recipe(kind: str, options: CompileOptions) -> list[str]:
+    """Stage names for this model kind and these options, in order (stages whose option is off left out);
+    ``--disable-pass`` names are checked against the whole row."""
+    mode = precision_mode(options)
+    row = RECIPES.get((options.target, kind, mode))
+    if row is None:
+        raise UsageError(f"precision {mode} is not available for {kind} models on target {options.target}; "
+                         "compile with --precision fp32 or --target cpu")
+    unknown = sorted(set(options.disabled_passes) - set(row))
+    if unknown:
+        raise UsageError(f"--disable-pass {', '.join(unknown)}: no such pass in this pipeline; "
+                         f"passes: {', '.join(sorted(set(row)))}")
+    quantizers = [n for n in row if STAGES[n].quantizer and n in options.disabled_passes]
+    if quantizers:
+        raise UsageError(f"--disable-pass {quantizers[0]} leaves a --precision {options.precision} graph unquantized; "
+                         "compile with --precision fp32 instead")
+    return [n for n in row if STAGES[n].when(options)]
 
 
-def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool) -> list[str]:
-    """Compare fusion counts with what the config implies; raise (or, if allowed, return) shortfalls."""
+def build_pass(name: str, facts: ModelFacts, options: CompileOptions, data: StageData | None = None) -> Pass:
+    p = STAGES[name].make(facts, options, data or StageData())
+    assert p.name == name, f"stage {name} builds pass {p.name}"
+    return p
+
+
+def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool, graph: str = "") -> list[str]:
+    """Compare fusion counts with the attention blocks the config implies; raise (or, if allowed, return) shortfalls."""
     problems = []
+    expected = facts.num_layers * facts.attentions_per_layer
     for entry in record:
-        rule = COVERAGE.get(entry["name"])
-        if rule is None or entry.get("disabled"):
+        stage = STAGES.get(entry["name"])
+        if stage is None or stage.coverage is None or entry.get("disabled"):
             continue
-        stat, per_layer = rule
-        expected = facts.num_layers * per_layer
-        got = entry["stats"].get(stat, 0)
+        got = entry["stats"].get(stage.coverage, 0)
         entry["coverage"] = {"expected": expected, "fused": got}
         if got < expected:
-            reasons = "; ".join(f"{r['where']}: {r['why']}" for r in entry.get("skipped", [])[:3]) or "no candidates found"
-            problems.append(f"{entry['name']} fused {got} of {expected} expected ({reasons})")
+            reasons = "; ".join(f"{r['where']}: {r['why']}" for r in entry.get("skipped", [])[:3]) or \
+                "no attention block matched any rule (the graph has none the rule recognises)"
+            where = f" in {graph}" if graph else ""
+            problems.append(f"{entry['name']} fused {got} of {expected} expected{where} ({reasons})")
     if problems and not allow_partial:
         raise FusionCoverageError(
             f"incomplete fusion: {' | '.join(problems)}; pass --allow-partial-fusion to ship it anyway, "

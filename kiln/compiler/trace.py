@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kiln.compiler.load import Checkpoint
+from kiln.compiler.scoped import logger_level
 from kiln.errors import ExportError
 from kiln.runtimes.artifact import TensorSpec
 
@@ -99,10 +100,9 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
     batch = torch.export.Dim("batch", min=1, max=1024)
     seq = torch.export.Dim("sequence", min=1, max=max(ckpt.max_length, 9))
     dynamic = {s.name: {0: batch, 1: seq} for s in inputs}
-    # The exporter logs every op registration it skips (torchvision absent, ...): not the user's concern.
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        # The exporter logs every op registration it skips (torchvision absent, ...): not the user's concern.
+        with warnings.catch_warnings(), torch.no_grad(), logger_level("torch.onnx", logging.ERROR):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module, example, dynamic_shapes=dynamic, input_names=[s.name for s in inputs],
@@ -125,15 +125,14 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
 
 
 class EagerRunner:
-    """The reference side of verification: the same wrapper, run by PyTorch."""
+    """The reference side of verification: the same wrapper, run by PyTorch (threads: the caller's
+    ``scoped.torch_threads``)."""
 
-    def __init__(self, ckpt: Checkpoint, threads: int | None = None) -> None:
+    def __init__(self, ckpt: Checkpoint) -> None:
         self.module = graph_module(ckpt)
         inputs, outputs = io_specs(ckpt)
         self.input_names = [s.name for s in inputs]
         self.output_names = [s.name for s in outputs]
-        if threads:
-            torch.set_num_threads(threads)
 
     def run(self, feeds):
         args = [torch.from_numpy(feeds[n]) for n in self.input_names if n in feeds]

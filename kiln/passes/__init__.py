@@ -3,6 +3,6 @@
 Passes never import the compiler or a runtime; calibration data and options are handed to them.
 """
 
-from kiln.passes.base import Pass, PassError, PassResult, Reason, check_disabled, run_passes
+from kiln.passes.base import NoMatch, Pass, PassError, PassResult, Reason, check_disabled, run_passes
 
-__all__ = ["Pass", "PassError", "PassResult", "Reason", "check_disabled", "run_passes"]
+__all__ = ["NoMatch", "Pass", "PassError", "PassResult", "Reason", "check_disabled", "run_passes"]

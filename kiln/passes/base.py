@@ -23,6 +23,11 @@ class Reason:
     why: str
 
 
+class NoMatch(Exception):
+    """The one way a pass refuses a candidate: raised by a matcher or a check with the reason, caught by
+    the pass and reported as a ``Reason``. Any other exception is a bug and fails the compile."""
+
+
 @dataclass
 class PassResult:
     model: onnx.ModelProto

@@ -1,7 +1,7 @@
 """Activation statistics for static INT8 and SmoothQuant, and the three ways to turn them into a range.
 
 The compiler runs the FP32 graph on calibration text with the tensors of interest exposed as
-outputs (``expose``) and hands every batch to ``Statistics.observe``; passes receive the finished
+outputs and hands every batch to ``Statistics.observe``; passes receive the finished
 statistics (they never run a model themselves). Per tensor we keep the min, the max, the absolute
 maximum of each channel (last axis, for SmoothQuant) and a histogram of |x| whose range grows as
 larger values arrive (old counts are re-binned into the wider bins).
@@ -15,12 +15,9 @@ Range methods, each a small pure function of one tensor's statistics:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-from onnx import helper
 
 BINS = 2048
 METHODS = ("minmax", "percentile", "entropy")
@@ -108,15 +105,3 @@ def ranges(stats: Statistics, method: str = "minmax", pct: float = 99.99) -> dic
         raise ValueError(f"calibration method {method!r} is unknown; choose one of {', '.join(METHODS)}")
     fn = {"minmax": minmax, "percentile": lambda s: percentile(s, pct), "entropy": entropy}[method]
     return {name: fn(s) for name, s in stats.items() if np.isfinite(s.lo)}
-
-
-def expose(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
-    """A copy of ``model`` with the given FP32 intermediate values added as graph outputs."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    present = {o.name for o in out.graph.output}
-    for name in names:
-        if name not in present:
-            out.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-            present.add(name)
-    return out

@@ -18,6 +18,10 @@ def _rename_inputs(g: Graph, mapping: dict[str, str]) -> None:
 
 
 class EliminateIdentity(Pass):
+    """Identity nodes, except those whose output is a graph output name. Not onnx-ir's
+    ``IdentityEliminationPass``: that one renames values to keep an output's name, and kiln reports each
+    kept Identity with its reason instead."""
+
     name = "eliminate-identity"
 
     def run(self, model: onnx.ModelProto) -> PassResult:
@@ -42,6 +46,10 @@ class EliminateIdentity(Pass):
 
 
 class DeduplicateInitializers(Pass):
+    """Byte-identical initializers merged into one. Not onnx-ir's ``DeduplicateInitializersPass``: it only
+    compares tensors up to a size limit (1024 elements by default), and the copies that matter here are
+    large (a tied embedding and lm_head exported twice)."""
+
     name = "dedup-initializers"
 
     def run(self, model: onnx.ModelProto) -> PassResult:
@@ -64,14 +72,22 @@ class DeduplicateInitializers(Pass):
 
 
 class EliminateDeadNodes(Pass):
+    """Nodes and initializers nothing reads: onnx-ir's ``RemoveUnusedNodesPass`` (graph inputs and outputs
+    stay as they are), with the counts kiln records."""
+
     name = "eliminate-dead-nodes"
 
     def run(self, model: onnx.ModelProto) -> PassResult:
-        g = Graph(model)
-        before_init = len(g.g.initializer)
-        removed = g.prune()
-        dropped = before_init - len(g.g.initializer)
-        return PassResult(g.model, bool(removed or dropped), {"nodes": removed, "initializers": dropped}, [])
+        import onnx_ir as ir
+        from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+        nodes, inits = len(model.graph.node), len(model.graph.initializer)
+        result = RemoveUnusedNodesPass()(ir.serde.deserialize_model(model))
+        if not result.modified:
+            return PassResult(model, False, {"nodes": 0, "initializers": 0}, [])
+        out = ir.serde.serialize_model(result.model)
+        return PassResult(out, True, {"nodes": nodes - len(out.graph.node),
+                                      "initializers": inits - len(out.graph.initializer)}, [])
 
 
 class FoldConstants(Pass):

@@ -14,6 +14,9 @@ boolean causal-and-padding mask, and a head merge. One GroupQueryAttention repla
 Left padding: the kernel numbers positions from the start of the row, while the eager model
 numbers real tokens from 0. Rotary attention scores depend only on position differences, and
 padded keys are masked, so real tokens see the same scores (checked end to end by verification).
+
+Why not onnxscript's ``ort_fusions`` gqa/rotary rules: on the opset-23 dynamo export of Llama they fuse
+nothing (gqa 0, rotary_embedding 0, measured with onnxscript 0.7.2): they expect the explicit chains.
 """
 
 from __future__ import annotations
@@ -58,13 +61,13 @@ class FuseGroupQueryAttention(Pass):
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
         fused, rotary, packed, skipped = 0, 0, 0, []
-        self._shared: dict[str, str] = {}  # bias / seqlens / caches, built once per graph
+        shared: dict[str, str] = {}  # bias / seqlens / caches, built once per graph (this run's state only)
         for layer, handle in enumerate(g.nodes_of("Attention")):
-            self._window = self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
+            window = self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
             node = g.node(handle)
             where = node.name or handle
             try:
-                new, remove, info = self.rewrite(g, node)
+                new, remove, info = self.rewrite(g, node, shared, window)
             except NoMatch as e:
                 skipped.append(Reason(where, str(e)))
                 continue
@@ -93,6 +96,11 @@ class FuseGroupQueryAttention(Pass):
             value = un.input[0]
             cur = g.producer.get(value)
         rope = None
+        if cur is not None and cur.op_type == "Concat" and any(
+                (g.producer.get(i) is not None and g.producer[i].op_type in ("RotaryEmbedding", "Slice", "Add", "Sub", "Neg"))
+                for i in cur.input):
+            raise NoMatch(f"partial rotary: {role} is a Concat of a rotated slice and an unrotated one "
+                          "(GroupQueryAttention rotates whole heads)")
         if cur is not None and cur.op_type == "RotaryEmbedding":
             rope = cur
             nodes.insert(0, rope)
@@ -148,7 +156,9 @@ class FuseGroupQueryAttention(Pass):
             raise NoMatch("rotary positions do not come from attention_mask alone")
         return inv_freq, tables[0][1], int(attr(q_rope, "interleaved", 0))
 
-    def rewrite(self, g: Graph, node: onnx.NodeProto):
+    def rewrite(self, g: Graph, node: onnx.NodeProto, shared: dict[str, str], window: int | None):
+        """Check the whole layer first (raising NoMatch with the reason), then add what the fused node needs:
+        a refused layer leaves the graph exactly as it was."""
         core = match_onnx_attention(g, node)
         if core.mask is None and not core.causal:
             raise NoMatch("attention is neither causal nor masked: not decoder self-attention")
@@ -167,7 +177,7 @@ class FuseGroupQueryAttention(Pass):
         for x in (q3, k3, v3):
             if len(g.consumers[x]) != 1:
                 raise NoMatch(f"{x} has other users; fusing would duplicate it")
-        qkv, proj_nodes, hidden = self._pack(g, q3, k3, v3)
+        packing, hidden = self._match_pack(g, q3, k3, v3)
         head_size = hidden // self.num_heads
         if hidden % self.num_heads:
             raise NoMatch(f"query width {hidden} is not divisible by {self.num_heads} heads")
@@ -176,18 +186,20 @@ class FuseGroupQueryAttention(Pass):
         rope = self._rotary(g, q_rope, k_rope, head_size)
         for nodes in (q_nodes, k_nodes, v_nodes):
             sole_users(g, nodes + [node])
+        # --- every check passed: from here on the graph changes
+        qkv, proj_nodes = self._emit_pack(g, packing)
         new: list[onnx.NodeProto] = list(proj_nodes["new"])
-        bias = self._padding_bias(g, new)
-        seqlens, total = self._lengths(g, new)
+        bias = self._padding_bias(g, new, shared)
+        seqlens, total = self._lengths(g, new, shared)
         cos = sin = ""
         if rope is not None:
-            cos, sin = self._caches(g, *rope[:2], head_size)
+            cos, sin = self._caches(g, *rope[:2], head_size, shared)
         inputs = [*qkv, *[""] * (3 - len(qkv)), "", "", seqlens, total, cos, sin, "", bias]
         attrs = dict(num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, do_rotary=int(rope is not None),
                      rotary_interleaved=rope[2] if rope else 0,
                      scale=float(core.scale if core.scale is not None else head_size ** -0.5))
-        if self._window:
-            attrs["local_window_size"] = int(self._window)
+        if window:
+            attrs["local_window_size"] = int(window)
         # The kernel writes (B, S, H*hd), the layout Transpose(0,2,1,3) gave the merge Reshape, so that
         # Reshape stays (it may flatten to 2-D for a Gemm, as GPT-2's does) and only the Transpose goes.
         out = g.fresh("gqa_out")
@@ -197,8 +209,9 @@ class FuseGroupQueryAttention(Pass):
         remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs]
         return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
 
-    def _pack(self, g: Graph, q3: str, k3: str, v3: str):
-        """One packed (B, S, (H + 2 KV) hd) query input when possible; else Q, K, V separately."""
+    def _match_pack(self, g: Graph, q3: str, k3: str, v3: str):
+        """How Q, K, V reach the kernel as one packed (B, S, (H + 2 KV) hd) input: the model's own packed
+        tensor, or the three projections to concatenate. Checks only; ``_emit_pack`` builds it."""
         hq, hk = self.num_heads, self.num_kv_heads
         split = g.producer.get(q3)
         if split is not None and split.op_type == "Split" and list(split.output) == [q3, k3, v3]:
@@ -211,7 +224,7 @@ class FuseGroupQueryAttention(Pass):
             hidden = int(sizes[0]) if sizes is not None else (width // 3 if width else None)
             if hidden is None:
                 raise NoMatch("width of the packed QKV tensor is unknown")
-            return [split.input[0]], {"new": [], "old": [split]}, hidden
+            return ("split", split), hidden
         q, k, v = (match_linear(g, x) for x in (q3, k3, v3))
         if not (q.x == k.x == v.x):
             raise NoMatch("Q, K and V project different inputs (cross-attention)")
@@ -220,6 +233,14 @@ class FuseGroupQueryAttention(Pass):
             raise NoMatch(f"K/V projection widths {k.weight.shape[1]}, {v.weight.shape[1]} do not match {hk} KV heads")
         for p in (q, k, v):
             sole_users(g, p.nodes)
+        return ("projections", (q, k, v)), hidden
+
+    @staticmethod
+    def _emit_pack(g: Graph, packing) -> tuple[list[str], dict[str, list[onnx.NodeProto]]]:
+        kind, found = packing
+        if kind == "split":
+            return [found.input[0]], {"new": [], "old": [found]}
+        q, k, v = found
         weight = g.add_initializer("qkv_weight", np.concatenate([q.weight, k.weight, v.weight], 1))
         out = g.fresh("qkv")
         new = [helper.make_node("MatMul", [q.x, weight], [out], name=g.fresh("QKV"))]
@@ -229,7 +250,7 @@ class FuseGroupQueryAttention(Pass):
             biased = g.fresh("qkv_biased")
             new.append(helper.make_node("Add", [out, b], [biased], name=g.fresh("QKVBias")))
             out = biased
-        return [out], {"new": new, "old": [n for p in (q, k, v) for n in p.nodes]}, hidden
+        return [out], {"new": new, "old": [n for p in (q, k, v) for n in p.nodes]}
 
     @staticmethod
     def _width(g: Graph, value: str) -> int | None:
@@ -246,24 +267,25 @@ class FuseGroupQueryAttention(Pass):
         return None
 
     # --- shared inputs, built once per graph -------------------------------------------------
-    def _shape_of(self, g: Graph, new: list, value: str, start: int, end: int) -> str:
+    @staticmethod
+    def _shape_of(g: Graph, new: list, value: str, start: int, end: int, shared: dict[str, str]) -> str:
         key = f"shape:{value}:{start}"
-        if key not in self._shared:
+        if key not in shared:
             out = g.fresh(f"{value}_dim{start}")
             new.append(helper.make_node("Shape", [value], [out], start=start, end=end, name=g.fresh("Shape")))
-            self._shared[key] = out
-        return self._shared[key]
+            shared[key] = out
+        return shared[key]
 
-    def _padding_bias(self, g: Graph, new: list) -> str:
+    def _padding_bias(self, g: Graph, new: list, shared: dict[str, str]) -> str:
         """attention_mask (B, T) -> additive bias (B, 1, S, T): 0 for real tokens, float32 min for padding."""
-        if "bias" in self._shared:
-            return self._shared["bias"]
+        if "bias" in shared:
+            return shared["bias"]
         c = {k: g.add_initializer(k, v) for k, v in (
             ("pad_one", np.array(1.0, np.float32)), ("pad_neg", np.array(np.finfo(np.float32).min, np.float32)),
             ("pad_axes", np.array([1, 2], np.int64)), ("pad_ones2", np.array([1, 1], np.int64)),
             ("pad_one1", np.array([1], np.int64)))}
         t = {k: g.fresh(f"pad_{k}") for k in ("f", "inv", "b2", "b4", "shape", "bias")}
-        seq = self._shape_of(g, new, self.ids_input, 1, 2)
+        seq = self._shape_of(g, new, self.ids_input, 1, 2, shared)
         new += [
             helper.make_node("Cast", [self.mask_input], [t["f"]], to=TensorProto.FLOAT, name=g.fresh("PadCast")),
             helper.make_node("Sub", [c["pad_one"], t["f"]], [t["inv"]], name=g.fresh("PadInv")),
@@ -272,15 +294,15 @@ class FuseGroupQueryAttention(Pass):
             helper.make_node("Concat", [c["pad_ones2"], seq, c["pad_one1"]], [t["shape"]], axis=0, name=g.fresh("PadShape")),
             helper.make_node("Expand", [t["b4"], t["shape"]], [t["bias"]], name=g.fresh("PadExpand")),
         ]
-        self._shared["bias"] = t["bias"]
+        shared["bias"] = t["bias"]
         return t["bias"]
 
-    def _lengths(self, g: Graph, new: list) -> tuple[str, str]:
+    def _lengths(self, g: Graph, new: list, shared: dict[str, str]) -> tuple[str, str]:
         """seqlens_k (B,) = T - 1 for every row (padding is in the bias) and total_sequence_length T."""
-        if "total" in self._shared:
-            return self._shared["seqlens"], self._shared["total"]
-        batch = self._shape_of(g, new, self.mask_input, 0, 1)
-        length = self._shape_of(g, new, self.mask_input, 1, 2)
+        if "total" in shared:
+            return shared["seqlens"], shared["total"]
+        batch = self._shape_of(g, new, self.mask_input, 0, 1, shared)
+        length = self._shape_of(g, new, self.mask_input, 1, 2, shared)
         one = g.add_initializer("len_one", np.array(1, np.int64))
         empty = g.add_initializer("len_scalar", np.array([], np.int64))
         t = {k: g.fresh(f"len_{k}") for k in ("total64", "total", "last", "last32", "seqlens")}
@@ -291,15 +313,16 @@ class FuseGroupQueryAttention(Pass):
             helper.make_node("Cast", [t["last"]], [t["last32"]], to=TensorProto.INT32, name=g.fresh("LastCast")),
             helper.make_node("Expand", [t["last32"], batch], [t["seqlens"]], name=g.fresh("SeqLens")),
         ]
-        self._shared.update(seqlens=t["seqlens"], total=t["total"])
+        shared.update(seqlens=t["seqlens"], total=t["total"])
         return t["seqlens"], t["total"]
 
-    def _caches(self, g: Graph, inv_freq: np.ndarray, scale: float, head_size: int) -> tuple[str, str]:
+    def _caches(self, g: Graph, inv_freq: np.ndarray, scale: float, head_size: int,
+                shared: dict[str, str]) -> tuple[str, str]:
         key = f"rope:{inv_freq.tobytes().hex()}:{scale}"
-        if key not in self._shared:
+        if key not in shared:
             angles = np.arange(self.max_length, dtype=np.float64)[:, None] * inv_freq[None, :]  # (max_len, hd/2)
             cos = g.add_initializer("cos_cache", (np.cos(angles) * scale).astype(np.float32))
             sin = g.add_initializer("sin_cache", (np.sin(angles) * scale).astype(np.float32))
-            self._shared[key] = f"{cos}|{sin}"
-        cos, sin = self._shared[key].split("|")
+            shared[key] = f"{cos}|{sin}"
+        cos, sin = shared[key].split("|")
         return cos, sin

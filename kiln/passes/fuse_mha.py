@@ -32,9 +32,9 @@ class FuseMultiHeadAttention(Pass):
         self.head_size = head_size
 
     def run(self, model: onnx.ModelProto) -> PassResult:
-        self._types = value_types(model)  # is a mask boolean (-> additive bias) or already additive?
+        types = value_types(model)  # is a mask boolean (-> additive bias) or already additive?
         g = Graph(model)
-        self._bias: dict[str, str] = {}
+        biases: dict[str, str] = {}  # mask -> its additive bias, built once per graph (this run's state only)
         stats = {"fused": 0, "self": 0, "cached_self": 0, "cross": 0}
         skipped = []
         for handle in attention_candidates(g):
@@ -42,7 +42,7 @@ class FuseMultiHeadAttention(Pass):
             if node is None:
                 continue
             try:
-                new, remove, kind = self.rewrite(g, match_core(g, node))
+                new, remove, kind = self.rewrite(g, match_core(g, node), types, biases)
             except NoMatch as e:
                 skipped.append(Reason(node.name or handle, str(e)))
                 continue
@@ -76,15 +76,20 @@ class FuseMultiHeadAttention(Pass):
         x3d, split = match_head_split(g, value)
         return "self", x3d, nodes + split
 
-    def _attention_bias(self, g: Graph, mask: str, new: list) -> str:
-        if mask in self._bias:
-            return self._bias[mask]
-        dtype = self._types.get(mask)
-        if dtype == TensorProto.FLOAT:
-            self._bias[mask] = mask
-            return mask
-        if dtype is None:
+    @staticmethod
+    def _check_mask(mask: str, types: dict[str, int]) -> None:
+        if types.get(mask) is None:
             raise NoMatch(f"type of mask {mask} is unknown, so it cannot be turned into an additive bias")
+
+    @staticmethod
+    def _attention_bias(g: Graph, mask: str, new: list, types: dict[str, int], biases: dict[str, str]) -> str:
+        """The additive form of ``mask`` (checked by ``_check_mask`` first), built once per graph."""
+        if mask in biases:
+            return biases[mask]
+        dtype = types[mask]
+        if dtype == TensorProto.FLOAT:
+            biases[mask] = mask
+            return mask
         zero = g.add_initializer("mha_zero", np.array(0.0, np.float32))
         neg = g.add_initializer("mha_neg", np.array(np.finfo(np.float32).min, np.float32))
         out = g.fresh("mha_bias")
@@ -93,10 +98,12 @@ class FuseMultiHeadAttention(Pass):
             cond = g.fresh("mha_mask_bool")
             new.append(helper.make_node("Cast", [mask], [cond], to=TensorProto.BOOL, name=g.fresh("MaskBool")))
         new.append(helper.make_node("Where", [cond, zero, neg], [out], name=g.fresh("MaskBias")))
-        self._bias[mask] = out
+        biases[mask] = out
         return out
 
-    def rewrite(self, g: Graph, core: Core):
+    def rewrite(self, g: Graph, core: Core, types: dict[str, int], biases: dict[str, str]):
+        """Check the whole block (raising NoMatch with the reason), then build: a refused block leaves the
+        graph, and the biases shared by later blocks, exactly as they were."""
         if core.causal:
             raise NoMatch("is_causal attention without an explicit mask is not rewritten")
         chain = core.nodes[0].op_type == "Softmax"
@@ -113,15 +120,18 @@ class FuseMultiHeadAttention(Pass):
             users = g.consumers[n.output[0]]
             if n.output[0] not in g.graph_outputs and len(users) != 1:
                 raise NoMatch(f"{n.output[0]} has other users; fusing would duplicate it")
+        for mask in ((core.mask,) if core.mask is not None else ()) + core.extra_masks:
+            self._check_mask(mask, types)
+        # --- every check passed: from here on the graph changes
         new: list[onnx.NodeProto] = []
-        bias = self._attention_bias(g, core.mask, new) if core.mask is not None else ""
+        bias = self._attention_bias(g, core.mask, new, types, biases) if core.mask is not None else ""
         for extra in core.extra_masks:  # T5: relative position bias + padding mask, summed once for all layers
             key = f"sum:{bias}:{extra}"
-            if key not in self._bias:
-                self._bias[key] = g.fresh("mha_bias_sum")
-                new.append(helper.make_node("Add", [bias, self._attention_bias(g, extra, new)], [self._bias[key]],
-                                            name=g.fresh("BiasSum")))
-            bias = self._bias[key]
+            if key not in biases:
+                biases[key] = g.fresh("mha_bias_sum")
+                new.append(helper.make_node("Add", [bias, self._attention_bias(g, extra, new, types, biases)],
+                                            [biases[key]], name=g.fresh("BiasSum")))
+            bias = biases[key]
         inputs = [q3d, "", "", "", "", bias, "", ""]
         outputs = [g.fresh("mha_out")]
         if k_kind == "cached":

@@ -1,5 +1,10 @@
 """A small mutable view over an ONNX graph: who produces and consumes each value, and the
-constants behind initializers. Passes match patterns through it and then rewrite the proto."""
+constants behind initializers. Passes match patterns through it and then rewrite the proto.
+
+Why not onnx-ir's use/def graph: every kiln pass reads and writes ``onnx.ModelProto`` (the exporter's
+output, the checker, ONNX Runtime and the artifact all take protos), and this index is the small part
+of onnx-ir the matchers need; the passes that map one-to-one onto an onnx-ir pass use it
+(``eliminate-dead-nodes``) and the others say in their docstring why they do not."""
 
 from __future__ import annotations
 

@@ -91,8 +91,9 @@ class QuantizeDynamicInt8(Pass):
             mm = g.node(handle)
             where = mm.name or handle
             w = g.constant(mm.input[1])
-            if w is None or w.ndim != 2 or w.dtype != np.float32:
-                continue  # activations x activations (attention scores): nothing to quantize
+            if w is None or w.ndim != 2 or w.dtype != np.float32:  # attention scores: activations x activations
+                skipped.append(Reason(where, "second input is not a constant FP32 matrix: no weight to quantize"))
+                continue
             if mm.input[1] in self.keep_fp32:
                 stats["kept_fp32"] += 1
                 skipped.append(Reason(where, f"weight {mm.input[1]} kept in FP32 (accuracy budget)"))

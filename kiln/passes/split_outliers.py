@@ -53,6 +53,7 @@ class SplitOutlierChannels(Pass):
             k = len(amax)
             idx = outlier_channels(amax, self.ratio, self.max_channels)
             if len(idx) == 0:
+                skipped.append(Reason(act, f"no channel above {self.ratio} x the median calibrated maximum"))
                 continue
             keep = np.ones(k, np.float32)
             keep[idx] = 0.0

@@ -16,7 +16,7 @@ from kiln.runtimes.model import Model
 
 BACKENDS = ("onnxruntime",)
 
-__all__ = ["load", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "InputError", "KilnError"]
+__all__ = ["load", "open_manifest", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "InputError", "KilnError"]
 
 
 def make_runtime(backend: str, threads: int | None = None, optimization: str = "all",
@@ -36,7 +36,13 @@ def load(path: str | Path, backend: str = "onnxruntime", threads: int | None = N
     ``optimization`` is ONNX Runtime's graph optimisation level: disabled, basic or all;
     ``session_config`` passes ONNX Runtime session config entries through as they are.
     """
-    manifest = read_manifest(path)
+    return open_manifest(read_manifest(path), backend, threads, optimization, session_config)
+
+
+def open_manifest(manifest: Manifest, backend: str = "onnxruntime", threads: int | None = None,
+                  optimization: str = "all", session_config: dict[str, str] | None = None) -> Model:
+    """Start the backend on an artifact whose manifest is already read (the compiler verifies its staged
+    artifact this way before it writes the manifest once)."""
     runtimes = {}
     for graph in manifest.data["graphs"]:  # "model"; or "encoder" and "decoder"
         runtimes[graph] = make_runtime(backend, threads=threads, optimization=optimization, session_config=session_config)

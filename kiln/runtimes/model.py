@@ -11,8 +11,11 @@ from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import Runtime, prepare_feeds
 from kiln.runtimes.generation import as_prompt, as_source, seq2seq_steps, steps, stream_text
-from kiln.runtimes.sampling import Sampling
+from kiln.runtimes.sampling import GenerateOptions, Sampling
 from kiln.runtimes.tokenizer import TextEncoder
+
+
+_D = GenerateOptions
 
 
 class Model:
@@ -67,9 +70,9 @@ class Model:
         pad = pad_token_id if pad_token_id is not None else int(gen.get("pad_token_id", 0))
         return Sampling(**sampling), stop, pad
 
-    def generate(self, input_ids: Any, attention_mask: Any | None = None, max_new_tokens: int = 32,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, stop_token_ids: Sequence[int] | None = None,
+    def generate(self, input_ids: Any, attention_mask: Any | None = None, max_new_tokens: int = _D.max_new_tokens,
+                 do_sample: bool = _D.do_sample, temperature: float = _D.temperature, top_k: int = _D.top_k,
+                 top_p: float = _D.top_p, repetition_penalty: float = _D.repetition_penalty, stop_token_ids: Sequence[int] | None = None,
                  pad_token_id: int | None = None, seed: int | None = None) -> np.ndarray:
         """Token ids (batch, prompt + new). ``input_ids``: a left-padded (batch, prompt) array with its
         ``attention_mask``, or a list of token lists of any lengths (left-padded here). Stops at
@@ -96,8 +99,9 @@ class Model:
                                              "attention_mask": attention_mask}, self.max_sequence_length))
         return self.runtimes["decoder"].seq2seq_runner(self.manifest.data["kv_cache"], cross, attention_mask)
 
-    def stream(self, prompt: str, max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0,
-               top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+    def stream(self, prompt: str, max_new_tokens: int = _D.max_new_tokens, do_sample: bool = _D.do_sample,
+               temperature: float = _D.temperature, top_k: int = _D.top_k, top_p: float = _D.top_p,
+               repetition_penalty: float = _D.repetition_penalty,
                stop_token_ids: Sequence[int] | None = None, seed: int | None = None) -> Iterator[str]:
         """Generate from one text prompt, yielding text as it is produced (partial characters held back)."""
         sampling, stop, pad = self._generation(stop_token_ids, None, do_sample=do_sample,

@@ -14,12 +14,24 @@ from kiln.errors import InputError
 
 
 @dataclass(frozen=True)
-class Sampling:
+class GenerateOptions:
+    """The defaults of ``kiln generate``, ``Model.generate`` and ``Model.stream`` (one place for all three)."""
+
+    max_new_tokens: int = 32
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    do_sample: bool = GenerateOptions.do_sample
+    temperature: float = GenerateOptions.temperature
+    top_k: int = GenerateOptions.top_k
+    top_p: float = GenerateOptions.top_p
+    repetition_penalty: float = GenerateOptions.repetition_penalty
 
     def check(self) -> None:
         if self.temperature <= 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kiln.compiler.cli import main
+from kiln.cli import main
 
 
 def test_encoder_against_eager_and_json(artifacts, checkpoints, tmp_path, capsys):

@@ -65,7 +65,9 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
         else:  # RMSNorm: residual ones fused with their Add; the first has no residual
             assert passes["fuse-skip-layernorm"]["stats"]["fused"] == 4
             assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 1
-    assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": 64 if KINDS.get(family) else 128}
+    # roberta numbers positions from padding_idx + 1 (its pad id 0 here): 66 embeddings hold 65 tokens
+    longest = {"bert": 64, "distilbert": 64, "roberta": 65}.get(family, 128)
+    assert manifest["dynamic_axes"]["sequence"] == {"min": 1, "max": longest}
     assert manifest["inputs"][0] == {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}
     assert manifest["verification"]["status"] == "passed"
     assert {"torch", "transformers", "onnx", "onnxruntime"} <= set(manifest["tool_versions"])
@@ -77,7 +79,7 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
     sources = {c["source"] for c in report["cases"]}
     assert sources == {"text", "random"}
     assert any(c["shape"][0] > 1 for c in report["cases"] if c["source"] == "random")
-    assert max(c["shape"][1] for c in report["cases"]) == (64 if KINDS.get(family) else 128)  # the longest text or random case
+    assert max(c["shape"][1] for c in report["cases"]) == longest  # the longest text (or random) case
     assert report["latency"]["eager_ms"] > 0 and report["latency"]["artifact_ms"] > 0
     if head != "base":
         assert "logits" in report["summary"]
@@ -197,7 +199,7 @@ def test_int8_compiles_and_verifies_with_the_int8_table(checkpoints, tmp_path, f
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == "int8" and manifest["verification"]["status"] == "passed"
     report = json.loads((out / "report.json").read_text())
-    assert report["tolerance"]["min_cosine"] == 0.9
+    assert report["tolerance"]["min_cosine"] == 0.98
     quant = next(p for p in manifest["passes"] if p["name"] == "quantize-int8")["stats"]
     # bert: per layer the packed QKV (QAttention), attention output and two FFN MatMuls; llama: QKV, O, 3 MLP (+ head)
     assert quant["quantized"] == (8 if family == "bert" else 11) and quant.get("attention", 0) == (2 if family == "bert" else 0)

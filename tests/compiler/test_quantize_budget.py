@@ -8,10 +8,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.compiler import quantize
+from kiln.compiler import corpus
+from kiln.compiler.quantize import budget as quantize
 from kiln.errors import UsageError
 from kiln.passes import run_passes
-from kiln.passes.calibration import Statistics, expose, ranges
+from kiln.compiler.graphrun import expose
+from kiln.passes.calibration import Statistics, ranges
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
 
@@ -117,19 +119,19 @@ def test_budget_and_calibration_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
     with pytest.raises(UsageError, match="has 0 usable texts"):
-        quantize.read_texts(str(empty))
+        corpus.read_texts(str(empty))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(UsageError, match='needs a "text" field'):
-        quantize.read_texts(str(bad))
+        corpus.read_texts(str(bad))
     with pytest.raises(UsageError, match="does not exist"):
-        quantize.read_texts(str(tmp_path / "missing.txt"))
-    cal, held = quantize.split([f"sentence number {i}" for i in range(40)])
+        corpus.read_texts(str(tmp_path / "missing.txt"))
+    cal, held = corpus.split([f"sentence number {i}" for i in range(40)])
     assert cal and held and not set(cal) & set(held)
 
 
 def test_cli_budget_on_a_tiny_encoder(checkpoints, tmp_path, capsys):
-    from kiln.compiler.cli import main
+    from kiln.cli import main
 
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(f"The cat sat on the mat number {i}." for i in range(24)))
@@ -155,7 +157,7 @@ def test_cli_budget_on_a_tiny_encoder(checkpoints, tmp_path, capsys):
 
 
 def test_budget_without_int8_is_a_usage_error(checkpoints, tmp_path, capsys):
-    from kiln.compiler.cli import main
+    from kiln.cli import main
 
     assert main(["compile", str(checkpoints["bert"]), "-o", str(tmp_path / "x"), "-q", "--max-drop", "cosine=0.99"]) == 2
     assert "add --precision int8" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -16,8 +16,8 @@ from conftest import fast_options
 from onnx import numpy_helper
 
 from kiln.compiler import compile
-from kiln.compiler.artifact import write_manifest
-from kiln.compiler.cli import main
+from kiln.compiler.manifest import write as write_manifest
+from kiln.cli import main
 
 GATE = "[gate]\nmax_ppl_increase_pct = 2.0\nmin_top1_agreement = 0.95\nmax_kl_mean = 0.02\n"
 

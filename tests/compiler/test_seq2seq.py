@@ -88,7 +88,7 @@ def test_stop_token_and_capacity(seq2seq_artifacts):
 
 
 def test_stream_and_cli_generate(seq2seq_artifacts, capsys):
-    from kiln.compiler.cli import main
+    from kiln.cli import main
 
     with kr.load(seq2seq_artifacts["bart"], threads=2) as model:
         text = "".join(model.stream("The cat sat on the mat.", max_new_tokens=12, stop_token_ids=[], repetition_penalty=5.0))
@@ -100,7 +100,7 @@ def test_stream_and_cli_generate(seq2seq_artifacts, capsys):
 
 
 def test_cli_run_points_to_generate(seq2seq_artifacts, capsys):
-    from kiln.compiler.cli import main
+    from kiln.cli import main
 
     assert main(["run", str(seq2seq_artifacts["bart"]), "--text", "hello"]) == 2
     assert "use kiln generate" in capsys.readouterr().err
@@ -108,9 +108,9 @@ def test_cli_run_points_to_generate(seq2seq_artifacts, capsys):
 
 def test_int8_encoder_decoder_is_refused(tmp_path, capsys):
     from conftest import save_checkpoint
-    from kiln.compiler.cli import main
+    from kiln.cli import main
 
     ckpt = save_checkpoint(tmp_path / "t5", "t5", "text2text")
     assert main(["compile", str(ckpt), "-o", str(tmp_path / "q"), "-q", "--precision", "int8"]) == 2
-    assert "compiles at --precision fp32 only" in capsys.readouterr().err
+    assert "precision int8 is not available for seq2seq models" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()

@@ -77,3 +77,40 @@ def test_wrong_kv_head_count_is_refused():
     _, record = run_passes(decoder_attention_graph(2, 1), [gqa(2, 2)])
     assert record[0]["stats"]["fused"] == 0
     assert "do not match 2 KV heads" in record[0]["skipped"][0]["why"]
+
+
+def test_refused_layer_leaves_the_graph_exactly_as_it_was():
+    """The head-size check comes after Q/K/V are matched: a refusal there must not leave packed weights behind."""
+    model = decoder_attention_graph(2, 1, head_size=8)
+    out, record = run_passes(model, [gqa()])
+    assert record[0]["modified"] is False and "multiple of 16" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == model.SerializeToString()
+
+
+def test_partial_rotary_is_refused_with_the_reason():
+    """A head rotated in part (StableLM, Phi): the exporter concatenates a rotated slice with the rest."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = decoder_attention_graph(2, 1, rotary=False)
+    g = model.graph
+    half = HD // 2
+    g.initializer.extend([numpy_helper.from_array(np.array([0], np.int64), "s0"),
+                          numpy_helper.from_array(np.array([half], np.int64), "s1"),
+                          numpy_helper.from_array(np.array([HD], np.int64), "s2"),
+                          numpy_helper.from_array(np.array([3], np.int64), "ax3")])
+    attention = next(n for n in g.node if n.op_type == "Attention")
+    extra = [helper.make_node("Slice", ["q_t", "s0", "s1", "ax3"], ["q_rot_part"]),
+             helper.make_node("Slice", ["q_t", "s1", "s2", "ax3"], ["q_pass"]),
+             helper.make_node("Neg", ["q_rot_part"], ["q_rotated"]),
+             helper.make_node("Concat", ["q_rotated", "q_pass"], ["q_partial"], axis=-1)]
+    attention.input[0] = "q_partial"
+    nodes = list(g.node)
+    at = next(i for i, n in enumerate(nodes) if n.op_type == "Attention")
+    del g.node[:]
+    g.node.extend(nodes[:at] + extra + nodes[at:])
+    onnx.checker.check_model(model)
+    out, record = run_passes(model, [gqa()])
+    assert record[0]["modified"] is False
+    assert "partial rotary" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == model.SerializeToString()

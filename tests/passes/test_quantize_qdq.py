@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln.errors import KilnError
 from kiln.passes import run_passes
-from kiln.passes.calibration import Statistics, entropy, expose, minmax, percentile, ranges
+from kiln.compiler.graphrun import expose
+from kiln.passes.calibration import Statistics, entropy, minmax, percentile, ranges
 from kiln.passes.check_tensorrt import problems
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8, dequantize_per_column, quantize_per_column
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ, activation_qparams, dequantize_linear, quantize_linear

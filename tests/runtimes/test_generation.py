@@ -8,7 +8,7 @@ import torch
 
 import kiln.runtimes as kr
 from conftest import make_model
-from kiln.compiler.cli import main
+from kiln.cli import main
 from kiln.errors import ArtifactError, InputError
 from kiln.runtimes import sampling as S
 from kiln.runtimes.base import CacheRunner

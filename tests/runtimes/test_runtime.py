@@ -13,7 +13,7 @@ import pytest
 
 import kiln.runtimes as kr
 from conftest import ROOT
-from kiln.compiler.cli import main
+from kiln.cli import main
 from kiln.errors import ArtifactError, InputError
 
 
@@ -43,7 +43,7 @@ def test_runtime_runs_with_torch_absent(artifacts):
         assert "".join(m.stream("import os", max_new_tokens=4, stop_token_ids=[]))
         m = kr.load({str(artifacts['bert'])!r})
         out = m.run(m.encode("The cat sat on the mat."))
-        from kiln.compiler.cli import main  # the CLI's run path stays torch-free too
+        from kiln.cli import main  # the CLI's run path stays torch-free too
         assert main(["run", {str(artifacts['bert'])!r}, "--text", "hello", "--json"]) == 0
         assert main(["generate", {str(artifacts['llama'])!r}, "--prompt", "import", "--max-new-tokens", "3"]) == 0
         assert not any(k.split(".")[0] in ("torch", "transformers") for k in sys.modules), sorted(sys.modules)

@@ -21,6 +21,7 @@ import numpy as np
 
 import kiln.runtimes as kr
 from kiln.errors import UsageError
+from kiln.evaluate.options import BenchOptions
 
 Progress = Callable[[str], None]
 DECODE_TOKENS = 16
@@ -53,14 +54,12 @@ def artifact_system(path: str | Path, threads: int | None) -> tuple[System, kr.M
     return System("artifact", forward, generate if decoder else None, size), model
 
 
-def eager_system(path: str | Path, threads: int | None, decoder: bool) -> System:
+def eager_system(path: str | Path, decoder: bool) -> System:
     import torch
 
     from kiln.compiler.load import load_checkpoint
 
     ckpt = load_checkpoint(path)
-    if threads:
-        torch.set_num_threads(threads)
 
     def forward(ids: np.ndarray, mask: np.ndarray) -> Any:
         with torch.inference_mode():
@@ -92,10 +91,25 @@ def _stats(samples: list[float]) -> dict[str, float]:
             "p99_ms": float(np.percentile(s, 99)), "runs": len(samples)}
 
 
-def bench(artifact: str | Path, batch_sizes: list[int], seq_lens: list[int], eager: str | Path | None = None,
-          compare: str | Path | None = None, budget_s: float = 2.0, rounds: int = 5, threads: int | None = None,
-          progress: Progress | None = None) -> dict[str, Any]:
+def bench(artifact: str | Path, eager: str | Path | None = None, compare: str | Path | None = None,
+          options: BenchOptions | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Time ``artifact`` (and ``eager`` / ``compare`` beside it); torch's threads are set for the eager
+    system only while bench runs."""
+    o = options or BenchOptions()
+    if o.budget_s <= 0 or o.rounds < 1:
+        raise UsageError("--budget-seconds must be positive and --rounds at least 1")
+    if eager is None:
+        return _bench(artifact, None, compare, o, progress)
+    from kiln.compiler.scoped import torch_threads
+
+    with torch_threads(o.threads):
+        return _bench(artifact, eager, compare, o, progress)
+
+
+def _bench(artifact: str | Path, eager: str | Path | None, compare: str | Path | None, o: BenchOptions,
+           progress: Progress | None) -> dict[str, Any]:
     say = progress or (lambda msg: None)
+    batch_sizes, seq_lens, budget_s, rounds, threads = list(o.batch_sizes), list(o.seq_lens), o.budget_s, o.rounds, o.threads
     if not batch_sizes or min(batch_sizes) < 1 or not seq_lens or min(seq_lens) < 1:
         raise UsageError("--batch-size and --seq-len take positive integers, e.g. --batch-size 1 8 --seq-len 128")
     main_system, model = artifact_system(artifact, threads)
@@ -106,7 +120,7 @@ def bench(artifact: str | Path, batch_sizes: list[int], seq_lens: list[int], eag
         other.name = "compare"
         systems.append(other)
     if eager is not None:
-        systems.append(eager_system(eager, threads, decoder))
+        systems.append(eager_system(eager, decoder))
     limit = model.max_sequence_length
     capacity = model.manifest.data.get("kv_cache", {}).get("capacity", limit)
     vocab = int(model.manifest.data["model"].get("vocab_size") or 1000)

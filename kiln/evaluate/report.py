@@ -22,11 +22,15 @@ from typing import Any
 import numpy as np
 
 import kiln.runtimes as kr
-from kiln.compiler import cases as case_lib
+from kiln.compiler import graphrun
+from kiln.compiler.corpus import read_texts
 from kiln.compiler.load import load_checkpoint
-from kiln.compiler.quantize import next_token_terms, read_texts
+from kiln.compiler.scoped import torch_threads
 from kiln.compiler.trace import EagerRunner
+from kiln.compiler.verify import metrics
+from kiln.compiler.verify.cases import make_feeds
 from kiln.errors import UsageError
+from kiln.evaluate.options import ReportOptions
 from kiln.runtimes.base import prepare_feeds
 
 log = logging.getLogger(__name__)
@@ -39,14 +43,16 @@ GREEDY_TOKENS = 16
 Progress = Callable[[str], None]
 
 
-def report(artifact: str | Path, reference: str | Path, data: str | Path, out: str | Path, max_texts: int = 64,
-           max_tokens: int = 128, latency_s: float = 3.0, threads: int | None = None,
-           progress: Progress | None = None) -> dict[str, Any]:
+def report(artifact: str | Path, reference: str | Path, data: str | Path, out: str | Path,
+           options: ReportOptions | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Measure ``artifact`` against ``reference`` on ``data`` and write report.json/.md/.html into ``out``."""
+    o = options or ReportOptions()
+    if o.max_texts < 1 or o.max_tokens < 2:
+        raise UsageError("--max-texts must be at least 1 and --max-tokens at least 2")
     say = progress or (lambda msg: log.info(msg))
-    from kiln.compiler import report_render
+    from kiln.evaluate import render
 
-    model = kr.load(artifact, threads=threads)
+    model = kr.load(artifact, threads=o.threads)
     ckpt = load_checkpoint(reference)
     kind = model.manifest.data["model"]["kind"]
     if kind not in ("encoder", "decoder"):
@@ -54,33 +60,37 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
     if ckpt.kind != kind:
         raise UsageError(f"--reference {reference} is a {ckpt.kind} checkpoint but {artifact} is a {kind} artifact; "
                          "give the checkpoint the artifact was compiled from")
-    texts = read_texts(str(data))[:max_texts]
-    limit = min(max_tokens, model.max_sequence_length)
+    texts = read_texts(str(data), role="--data")[:o.max_texts]
+    limit = min(o.max_tokens, model.max_sequence_length)
     rows = [r for r in (model.text_encoder.encode_ids(t)[:limit] for t in texts) if len(r) >= 2]
     if not rows:
         raise UsageError(f"--data {data} has no text of two or more tokens for {artifact}'s tokenizer; give real text")
     say(f"report: {len(rows)} texts, {sum(map(len, rows))} tokens from {data}")
-    eager = EagerRunner(ckpt, threads)
+    eager = EagerRunner(ckpt)
     result: dict[str, Any] = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
         "artifact": str(Path(artifact).absolute()), "reference": str(Path(reference).absolute()),
         "data": {"path": str(Path(data).absolute()), "texts": len(rows), "tokens": int(sum(map(len, rows)))},
         "model": {k: model.manifest.data["model"].get(k) for k in ("architecture", "kind", "task")}
         | {"precision": model.manifest.data.get("precision"), "target": model.manifest.data.get("target")},
+        "measured_on": {"backend": "onnxruntime", "device": "cpu", "threads": o.threads},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     errors: dict[str, list[np.ndarray]] = {}
-    if kind == "decoder":
-        result |= decoder_metrics(model, eager, rows, errors)
-        result["metrics"]["greedy_match_rate"] = greedy_match_rate(model, ckpt, rows)
-    else:
-        result |= encoder_metrics(model, eager, rows, errors)
-    result["outputs"] = {name: error_stats(np.concatenate(v)) for name, v in errors.items()}
-    say("report: per-layer error")
-    result["layers"] = layer_errors(Path(artifact), model, ckpt, rows[:8])
+    with torch_threads(o.threads):
+        if kind == "decoder":
+            result |= decoder_metrics(model, eager, rows, errors)
+            rate = greedy_match_rate(model, ckpt, rows)
+            if rate is not None:  # absent when the cache has no room for a continuation
+                result["metrics"]["greedy_match_rate"] = rate
+        else:
+            result |= encoder_metrics(model, eager, rows, errors)
+        result["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
+        say("report: per-layer error")
+        result["layers"] = layer_errors(Path(artifact), model, ckpt, rows[:8], o.threads)
     say("report: latency distribution")
-    result["latency"] = latency_distribution(model, rows, latency_s)
-    report_render.write(result, errors, Path(out))
+    result["latency"] = latency_distribution(model, rows, o.latency_s)
+    render.write(result, errors, Path(out))
     say(f"report: wrote {Path(out) / 'report.json'}, report.md, report.html")
     return result
 
@@ -98,29 +108,23 @@ def decoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
         got = model.run(feeds)["logits"][0].astype(np.float64)
         ref = eager.run({k: v for k, v in feeds.items() if k in eager.input_names})["logits"][0].astype(np.float64)
         errors.setdefault("logits", []).append(np.abs(got - ref).ravel())
-        terms.append(next_token_terms(ref[:-1], got[:-1], np.asarray(ids[1:])))
-    kl = np.concatenate([t["kl"] for t in terms])
-    count = len(kl)
+        terms.append(metrics.next_token_terms(ref[:-1], got[:-1], np.asarray(ids[1:])))
+    summary = metrics.next_token_summary(metrics.concat_terms(terms))
     longest = max(len(t["kl"]) for t in terms)
     per_position = [float(np.mean([t["kl"][i] for t in terms if len(t["kl"]) > i])) for i in range(longest)]
-    ppl_ref = float(np.exp(sum(t["nll_ref"].sum() for t in terms) / count))
-    ppl_art = float(np.exp(sum(t["nll_got"].sum() for t in terms) / count))
-    agree = sum(t["agree"].sum() for t in terms)
-    return {"metrics": {"ppl_reference": ppl_ref, "ppl_artifact": ppl_art,
-                        "ppl_increase_pct": 100.0 * (ppl_art / ppl_ref - 1.0), "top1_agreement": float(agree / count),
-                        "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "positions": count},
-            "kl_per_position": per_position}
+    return {"metrics": summary, "kl_per_position": per_position}
 
 
-def greedy_match_rate(model: kr.Model, ckpt: Any, rows: list[list[int]]) -> float:
-    """Mean fraction of GREEDY_TOKENS greedy tokens that match Hugging Face ``generate`` before the first difference."""
+def greedy_match_rate(model: kr.Model, ckpt: Any, rows: list[list[int]]) -> float | None:
+    """Mean fraction of GREEDY_TOKENS greedy tokens that match Hugging Face ``generate`` before the first
+    difference; None when the KV cache has no room for a single new token after the prompts."""
     import torch
 
     prompts = [r[:16] for r in rows[:GREEDY_PROMPTS]]
     capacity = model.manifest.data.get("kv_cache", {}).get("capacity", model.max_sequence_length)
     new = max(0, min(GREEDY_TOKENS, capacity - max(map(len, prompts))))
     if new == 0:
-        return 1.0
+        return None
     pad = model.manifest.data.get("generation", {}).get("pad_token_id", 0)
     rates = []
     for p in prompts:
@@ -138,7 +142,7 @@ def encoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
                     errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
     cos = []
     for ids in rows:
-        feeds = case_lib.make_feeds(*[np.asarray(x) for x in _feeds(ids).values()], eager.input_names)
+        feeds = make_feeds(*[np.asarray(x) for x in _feeds(ids).values()], eager.input_names)
         got = model.run({k: v for k, v in feeds.items() if k in model.input_names})
         ref = eager.run(feeds)
         for name in ref:
@@ -148,27 +152,25 @@ def encoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
         a, b = got[name].astype(np.float64), ref[name].astype(np.float64)
         if a.ndim == 3:
             a, b = a.mean(1), b.mean(1)
-        cos.append(float((a * b).sum() / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)))
+        cos.append(float(metrics.row_cosines(b.reshape(1, -1), a.reshape(1, -1))[0]))
     return {"metrics": {"cosine_min": min(cos), "cosine_mean": float(np.mean(cos)), "cosine_p1": float(np.percentile(cos, 1))},
             "cosine_per_text": cos}
 
 
-def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]]) -> list[dict[str, Any]]:
+def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]],
+                 threads: int | None = None) -> list[dict[str, Any]]:
     """Where the error enters: each layer's output (Hugging Face ``hidden_states``) against the artifact
     tensor that carries it. The graph's sums and norms are exposed as outputs and each hidden state is
     matched to the closest one by value (names do not survive export and fusion); the relative error
     of that tensor is the layer's, averaged over the texts."""
     import onnx
-    import onnxruntime as ort
     import torch
-
-    from kiln.passes.calibration import expose
 
     graph = onnx.load(str(root / model.manifest.data["graphs"]["model"]))
     names = [o for n in graph.graph.node if n.op_type in ("Add", "RMSNormalization", "SimplifiedLayerNormalization",
                                                            "LayerNormalization", "SkipSimplifiedLayerNormalization",
                                                            "SkipLayerNormalization") for o in n.output[:4] if o]
-    sess = ort.InferenceSession(expose(graph, names).SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = graphrun.session(graphrun.expose(graph, names), threads)
     wanted = {i.name for i in sess.get_inputs()}
     per_layer: dict[int, list[tuple[str, float]]] = {}
     for ids in rows:
@@ -186,11 +188,6 @@ def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]]) 
                 per_layer.setdefault(layer, []).append(best)
     return [{"layer": layer, "tensor": found[0][0], "relative_error": float(np.mean([e for _, e in found]))}
             for layer, found in sorted(per_layer.items())]
-
-
-def error_stats(err: np.ndarray) -> dict[str, float]:
-    return {"max_abs": float(err.max()), "mean_abs": float(err.mean()), "p99_abs": float(np.percentile(err, 99)),
-            "count": int(err.size)}
 
 
 def latency_distribution(model: kr.Model, rows: list[list[int]], budget_s: float) -> dict[str, Any]:

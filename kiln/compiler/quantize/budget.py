@@ -12,22 +12,20 @@ Procedure:
    most sensitive remaining weight to FP32 until the calibration split meets it with that margin;
 3. measure the chosen graph once on the held-out split (texts never used above) and record it.
 If even the FP32-heavy end of the search misses, the compile fails and says how close it got.
-Texts are split by a hash of their content, so the split does not depend on file order.
+Texts are split by a hash of their content (``kiln.compiler.corpus.split``), so the split does not depend on file order.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
+from kiln.compiler.verify import metrics
 from kiln.errors import KilnError, UsageError
 from kiln.passes.quantize_int8 import candidates
 
@@ -56,7 +54,7 @@ class Budget:
 
     def measure(self, ref: list[np.ndarray], got: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> float:
         if self.metric == "cosine":
-            return min_cosine(np.concatenate(ref), np.concatenate(got))
+            return metrics.min_cosine(np.concatenate(ref), np.concatenate(got))
         return next_token_metrics(ref, got, feeds)[self.metric]
 
 
@@ -89,29 +87,6 @@ def parse_budget(text: str, kind: str | None = None) -> Budget:
     return Budget(metric, v)
 
 
-def min_cosine(ref: np.ndarray, got: np.ndarray) -> float:
-    """The worst row's cosine similarity between two (rows, features) arrays."""
-    ref, got = ref.astype(np.float64), got.astype(np.float64)
-    norms = np.maximum(np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1), 1e-30)
-    return float(np.min((got * ref).sum(1) / norms))
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def next_token_terms(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
-    """Per position: negative log-likelihood of the target under each, top-1 agreement, KL(ref || got).
-
-    ``ref``/``got``: logits (positions, vocab) that predict ``targets`` (positions,)."""
-    lr, lg = log_softmax(ref), log_softmax(got)
-    rows = np.arange(len(targets))
-    return {"nll_ref": -lr[rows, targets], "nll_got": -lg[rows, targets],
-            "agree": (lr.argmax(-1) == lg.argmax(-1)).astype(np.float64), "kl": (np.exp(lr) * (lr - lg)).sum(-1)}
-
-
 def next_token_metrics(ref: list[np.ndarray], got: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
     """Perplexity increase (%), top-1 agreement and mean KL(FP32 || quantized) over the real next-token positions.
 
@@ -120,43 +95,11 @@ def next_token_metrics(ref: list[np.ndarray], got: list[np.ndarray], feeds: list
     for r, g, f in zip(ref, got, feeds):
         mask = f["attention_mask"].astype(bool)
         valid = mask[:, :-1] & mask[:, 1:]
-        terms.append(next_token_terms(r[:, :-1][valid], g[:, :-1][valid], f["input_ids"][:, 1:][valid]))
-    t = {k: np.concatenate([x[k] for x in terms]) for k in ("nll_ref", "nll_got", "agree", "kl")}
-    if len(t["kl"]) == 0:
+        terms.append(metrics.next_token_terms(r[:, :-1][valid], g[:, :-1][valid], f["input_ids"][:, 1:][valid]))
+    summary = metrics.next_token_summary(metrics.concat_terms(terms))
+    if summary is None:
         raise UsageError("the calibration text gives no next-token positions; give texts of at least two tokens")
-    return {"ppl": 100.0 * (np.exp((t["nll_got"].sum() - t["nll_ref"].sum()) / len(t["kl"])) - 1.0),
-            "top1": float(t["agree"].mean()), "kl": float(t["kl"].mean())}
-
-
-def read_texts(path: str | None) -> list[str]:
-    """Lines of a text file, or the "text" field of a JSONL file; default: English sentences of the Python docs."""
-    if path is None:
-        import pydoc_data.topics as topics
-
-        raw = " ".join(topics.topics.values()).replace("\n", " ").split(". ")
-        return [t.strip() for t in raw if 40 < len(t.strip()) < 300][:400]
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"calibration file {path} does not exist; give a text file (one text per line) or JSONL")
-    lines = [line.strip() for line in p.read_text(errors="replace").splitlines() if line.strip()]
-    if p.suffix == ".jsonl":
-        try:
-            lines = [str(json.loads(line)["text"]) for line in lines]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UsageError(f"calibration file {path}: every JSONL line needs a \"text\" field ({e})") from e
-    if not lines:
-        raise UsageError(f"calibration file {path} has 0 usable texts; give at least a few lines of text")
-    return lines
-
-
-def split(texts: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(calibration, held-out): a text is held out when its hash falls in the last quarter."""
-    cal, held = [], []
-    for t in texts:
-        (held if hashlib.sha256(t.encode()).digest()[0] >= 192 else cal).append(t)
-    if not cal or not held:
-        cal, held = list(texts[: max(1, 3 * len(texts) // 4)]), list(texts[3 * len(texts) // 4:]) or list(texts)
-    return cal, held
+    return {"ppl": summary["ppl_increase_pct"], "top1": summary["top1_agreement"], "kl": summary["kl_mean"]}
 
 
 Run = Callable[[onnx.ModelProto, list[dict[str, np.ndarray]]], list[np.ndarray]]

@@ -9,7 +9,7 @@ Reads JSON and TOML only: no torch, so a CI job can gate without the compile dep
 from __future__ import annotations
 
 import json
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,20 @@ THRESHOLDS: dict[str, tuple[str, str, str]] = {
     "min_cosine": ("cosine_min", "min", "embedding cosine, min"),
     "max_latency_regression_pct": ("latency_regression_pct", "max", "p50 latency regression vs baseline (%)"),
 }
+
+
+def _toml() -> Any:
+    """tomllib (Python 3.11+) or its backport tomli, declared for 3.10 in pyproject.toml."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib
+    try:
+        import tomli
+    except ImportError as e:
+        raise GateInputError("reading kiln.toml / pyproject.toml on Python 3.10 needs tomli (pip install tomli), "
+                             "or pass thresholds as flags") from e
+    return tomli
 
 
 class GateInputError(KilnError):
@@ -80,9 +94,10 @@ def load_thresholds(config: str | Path | None, flags: dict[str, float | None], c
             if config and f == Path(config):
                 raise GateInputError(f"--config {config} does not exist; give a TOML file with a [gate] table")
             continue
+        toml = _toml()
         try:
-            table = _table(f, tomllib.loads(f.read_text()))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            table = _table(f, toml.loads(f.read_text()))
+        except (toml.TOMLDecodeError, UnicodeDecodeError) as e:
             raise GateInputError(f"{f} is not valid TOML ({e}); fix it or pass thresholds as flags") from e
         if table is None:
             if config and f == Path(config):

@@ -58,31 +58,33 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _figure() -> tuple[Any, Any]:
+    """A figure on its own Agg canvas: pyplot (and with it the process-wide backend) is never touched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3))
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
 def plots(result: dict[str, Any], errors: dict[str, list[np.ndarray]]) -> list[tuple[str, str]]:
     """(title, base64 PNG) for the error histograms, KL per position (or cosine per text), latency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out = []
     for name, parts in errors.items():
         err = np.concatenate(parts)
-        fig, ax = plt.subplots(figsize=(6, 3))
+        fig, ax = _figure()
         ax.hist(np.log10(np.maximum(err, 1e-12)), bins=60)
         ax.set_xlabel("log10 |artifact - reference|")
         ax.set_ylabel("elements")
         out.append((f"absolute error of {name}", _png(fig)))
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = _figure()
     if "kl_per_position" in result:
         ax.plot(result["kl_per_position"])
         ax.set_xlabel("position")
@@ -94,7 +96,7 @@ def plots(result: dict[str, Any], errors: dict[str, list[np.ndarray]]) -> list[t
         ax.set_ylabel("embedding cosine")
         title = "embedding cosine per text"
     out.append((title, _png(fig)))
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = _figure()
     ax.hist(result["latency"]["samples_ms"], bins=40)
     ax.set_xlabel("ms per run")
     ax.set_ylabel("runs")

@@ -8,29 +8,24 @@
   cross keys/values) -> logits and the present self-attention keys/values. The wrapper rebuilds
   Hugging Face's ``EncoderDecoderCache`` from the inputs, so the decoder is the model's own code.
 
-Verification is greedy decoding through both graphs against Hugging Face ``generate``: per-step
-logits (teacher-forced with the reference tokens) within the FP32 tolerance, then the artifact's
-own tokens identical.
+Verification (``kiln.compiler.verify.generation.verify_seq2seq``) is greedy decoding through both
+graphs against Hugging Face ``generate``.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from kiln.compiler.load import Checkpoint
-from kiln.compiler.verify import TOLERANCES
-from kiln.compiler.verify_generation import compare_steps
+from kiln.compiler.manifest import kv_names
+from kiln.compiler.scoped import logger_level
 from kiln.errors import ExportError
 from kiln.runtimes.artifact import TensorSpec
-from kiln.runtimes.generation import pad_rows
 
 ENCODER, DECODER = "encoder.onnx", "decoder.onnx"
 
@@ -91,12 +86,7 @@ class DecoderGraph(nn.Module):
         return (out.logits, *(t for i in range(self.layers) for t in (own[i].keys, own[i].values)))
 
 
-def names(layers: int) -> dict[str, list[str]]:
-    return {
-        "cross": [f"cross.{i}.{k}" for i in range(layers) for k in ("key", "value")],
-        "past": [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")],
-        "present": [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")],
-    }
+names = kv_names
 
 
 def io(ckpt: Checkpoint) -> dict[str, dict[str, list[TensorSpec]]]:
@@ -131,9 +121,8 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> None:
     ids = torch.randint(3, 50, (2, 8))
     mask = torch.ones_like(ids)
     enc = EncoderGraph(ckpt).eval()
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), logger_level("torch.onnx", logging.ERROR):
             warnings.simplefilter("ignore")
             cross = enc(ids, mask)
             program = torch.onnx.export(
@@ -157,41 +146,3 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
                           "report it with the checkpoint's config.json") from e
-
-
-def prompts(ckpt: Checkpoint, tok: Any | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Three source texts of different lengths, right-padded (encoders pad right)."""
-    from kiln.compiler.cases import SAMPLE_TEXTS, pad_token_id
-
-    rows = [tok(t, add_special_tokens=True)["input_ids"][:32] for t in SAMPLE_TEXTS] if tok is not None else []
-    if not rows or not all(rows):
-        rng = np.random.default_rng(seed)
-        rows = [rng.integers(3, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]
-    padded = pad_rows(rows, pad_token_id(ckpt, tok), "right")
-    return padded.ids, padded.mask
-
-
-def verify(ckpt: Checkpoint, artifact: Any, ids: np.ndarray, mask: np.ndarray, steps: int, precision: str) -> dict[str, Any]:
-    tol = TOLERANCES[precision]
-    pad = int(artifact.manifest.data["generation"]["pad_token_id"])
-    with torch.inference_mode():
-        ref = ckpt.model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps,
-                                  do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
-                                  forced_bos_token_id=None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
-    ref_tokens = ref.sequences.numpy()  # (batch, 1 + steps): starts with decoder_start_token_id
-    ref_logits = np.stack([x.float().numpy() for x in ref.logits])
-    base = {"steps": steps, "batch": int(ids.shape[0]), "source_lengths": mask.sum(1).tolist()}
-
-    def teacher_forced() -> Iterator[np.ndarray]:
-        runner = artifact.seq2seq_runner(ids, mask)
-        try:
-            for t in range(steps):
-                yield runner.step(ref_tokens[:, t:t + 1])[:, -1]
-        finally:
-            runner.close()
-
-    def generated() -> np.ndarray:
-        return artifact.generate(ids, mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad)[:, 1:]
-
-    # encoder-decoders must reproduce the reference exactly: a tie does not excuse different tokens
-    return {**base, **compare_steps(teacher_forced, ref_logits, ref_tokens[:, 1:], generated, tol, allow_ties=False)}

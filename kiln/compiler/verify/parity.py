@@ -2,7 +2,8 @@
 
 A case is a dict of feeds. Per output it measures max abs error, max relative error, minimum
 cosine similarity of rows and, for logits, top-1 agreement; the tolerance table per precision
-decides pass or fail.
+decides pass or fail. A case or output with nothing to compare (no real-token rows, no decisive
+position) reports the metric as absent, and verification needs at least one compared row per output.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from kiln.compiler.verify import metrics
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,12 @@ class Tolerance:
     the abs bound then only decides which logit positions are decisive for top-1."""
 
 
+# INT8, measured with the default --precision int8: all-MiniLM-L6-v2 worst token-row cosine 0.9936 (sentence
+# 0.9963), the trained reference Llama (llama-tiny) worst logit-row cosine 0.9937 with decisive top-1 100%.
+# One layer's weight scales doubled: 0.43-0.89; 2-bit weights: below 0.15 (tests/compiler/test_int8_tolerance.py).
 TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(abs_factor=1e-4, min_top1=1.0),
-    "int8": Tolerance(abs_factor=5e-2, min_top1=0.9, min_cosine=0.9),
+    "int8": Tolerance(abs_factor=5e-2, min_top1=0.95, min_cosine=0.98),
 }
 
 
@@ -62,31 +68,27 @@ def compare_output(name: str, ref: np.ndarray, got: np.ndarray, mask: np.ndarray
     if ref.shape != got.shape:
         return {"passed": False, "error": f"shape {list(got.shape)} != reference {list(ref.shape)}"}
     r, g = _rows(ref.astype(np.float64), got.astype(np.float64), mask)
-    if r.size == 0:
-        return {"passed": True, "compared": 0}
+    if r.size == 0:  # nothing real to compare: no verdict either way, and no numbers
+        return {"passed": None, "compared": 0}
     if not np.isfinite(g).all():
         return {"passed": False, "error": "artifact produced NaN or Inf at real-token positions"}
     diff = np.abs(r - g)
     scale = max(1.0, float(np.abs(r).max()))
     atol = tol.abs_factor * scale
     max_abs = float(diff.max())
-    max_rel = float((diff / (np.abs(r) + 1e-6 * scale)).max())
-    norms = np.linalg.norm(r, axis=1) * np.linalg.norm(g, axis=1)
-    cos = np.where(norms > 0, (r * g).sum(1) / np.maximum(norms, 1e-300), 1.0)
+    cos_min = metrics.min_cosine(r, g)
     out: dict[str, Any] = {
-        "compared": int(r.shape[0]), "max_abs": max_abs, "atol": atol, "max_rel": max_rel,
-        "cosine_min": float(cos.min()),
-        "passed": max_abs <= atol if tol.min_cosine is None else float(cos.min()) >= tol.min_cosine,
+        "compared": int(r.shape[0]), "max_abs": max_abs, "atol": atol,
+        "max_rel": float((diff / (np.abs(r) + 1e-6 * scale)).max()), "cosine_min": cos_min,
+        "passed": max_abs <= atol if tol.min_cosine is None else cos_min >= tol.min_cosine,
     }
     if name == "logits" and r.shape[1] > 1:
-        top = np.sort(r, axis=1)
-        # Where the reference's best two logits are closer than the tolerance, either is a correct answer.
-        decisive = (top[:, -1] - top[:, -2]) > atol
-        agree = r.argmax(1) == g.argmax(1)
-        out["top1_agreement"] = float(agree[decisive].mean()) if decisive.any() else 1.0
-        out["top1_agreement_all"] = float(agree.mean())
-        out["top1_ties_excluded"] = int((~decisive).sum())
-        out["passed"] = out["passed"] and out["top1_agreement"] >= tol.min_top1
+        t = metrics.top1(r, g, atol)
+        out["top1_agreement"] = t["agreement"]  # None: every position a near-tie, nothing decisive to check
+        out["top1_agreement_all"] = t["agreement_all"]
+        out["top1_ties_excluded"] = t["ties_excluded"]
+        if t["agreement"] is not None:
+            out["passed"] = out["passed"] and t["agreement"] >= tol.min_top1
     return out
 
 
@@ -102,31 +104,35 @@ def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: s
         mask = case.feeds.get("attention_mask")
         outputs = {n: compare_output(n, ref[n], got[n], mask, tol) for n in ref}
         shape = list(case.feeds["input_ids"].shape)
+        verdicts = [o["passed"] for o in outputs.values() if o["passed"] is not None]
         results.append({"name": case.name, "source": case.source, "shape": shape, "outputs": outputs,
-                        "passed": all(o["passed"] for o in outputs.values())})
+                        "passed": all(verdicts) if verdicts else None})
+    summary = summarize(results)
+    uncompared = [n for n, s in summary.items() if not s["compared"] and "error" not in s]
     return {
-        "precision": precision, "tolerance": asdict(tol), "cases": results,
-        "summary": summarize(results), "passed": all(r["passed"] for r in results),
+        "precision": precision, "tolerance": asdict(tol), "cases": results, "summary": summary,
+        "uncompared_outputs": uncompared,
+        "passed": bool(results) and not uncompared and all(r["passed"] is not False for r in results),
     }
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Worst value of each metric per output across cases."""
+    """Worst value of each metric per output across the cases that compared something; a metric no case
+    measured is left out."""
     worst: dict[str, dict[str, Any]] = {}
     for r in results:
         for name, o in r["outputs"].items():
-            w = worst.setdefault(name, {"max_abs": 0.0, "max_rel": 0.0, "cosine_min": 1.0, "passed": True})
-            w["passed"] = w["passed"] and o["passed"]
+            w = worst.setdefault(name, {"compared": 0, "passed": True})
+            w["passed"] = w["passed"] and o["passed"] is not False
             if "error" in o:
                 w["error"] = o["error"]
                 continue
             if not o.get("compared"):
                 continue
-            w["max_abs"] = max(w["max_abs"], o["max_abs"])
-            w["max_rel"] = max(w["max_rel"], o["max_rel"])
-            w["cosine_min"] = min(w["cosine_min"], o["cosine_min"])
-            if "top1_agreement" in o:
-                w["top1_agreement"] = min(w.get("top1_agreement", 1.0), o["top1_agreement"])
+            w["compared"] += o["compared"]
+            for key, pick in (("max_abs", max), ("max_rel", max), ("cosine_min", min), ("top1_agreement", min)):
+                if o.get(key) is not None:
+                    w[key] = pick(w[key], o[key]) if key in w else o[key]
     return worst
 
 
@@ -138,17 +144,20 @@ def failures(report: dict[str, Any]) -> list[str]:
         out.append(f"greedy generation through the KV cache failed to run: {gen['error']}")
     elif gen and not gen["passed"]:
         out.append(f"greedy generation: {len(gen['wrong_tokens'])} wrong decisive token(s) (first {gen['wrong_tokens'][:1]}), "
-                   f"step logits at {gen['max_abs_over_atol']:.3g}x the tolerance, tokens identical {gen['tokens_identical']}")
+                   f"step logits at {gen['max_abs_over_atol']:.3g}x the tolerance, cosine min {gen['cosine_min']:.4f}, "
+                   f"tokens identical {gen['tokens_identical']}")
+    min_cos = report.get("tolerance", {}).get("min_cosine")
+    for name in report.get("uncompared_outputs", []):
+        out.append(f"output {name}: no case compared a single real-token row")
     for r in report["cases"]:
         for name, o in r["outputs"].items():
-            if o["passed"]:
+            if o["passed"] is not False:
                 continue
             if "error" in o:
                 out.append(f"{r['name']} {name}: {o['error']}")
-            elif "min_cosine" in report["tolerance"] and report["tolerance"]["min_cosine"] is not None \
-                    and o["cosine_min"] < report["tolerance"]["min_cosine"]:
-                out.append(f"{r['name']} {name}: row cosine {o['cosine_min']:.4f} < {report['tolerance']['min_cosine']}")
-            elif o["max_abs"] > o["atol"] and report["tolerance"].get("min_cosine") is None:
+            elif min_cos is not None and o["cosine_min"] < min_cos:
+                out.append(f"{r['name']} {name}: row cosine {o['cosine_min']:.4f} < {min_cos}")
+            elif min_cos is None and o["max_abs"] > o["atol"]:
                 out.append(f"{r['name']} {name}: max abs error {o['max_abs']:.3g} > {o['atol']:.3g}")
             else:
                 out.append(f"{r['name']} {name}: top-1 agreement {o['top1_agreement']:.2%}")

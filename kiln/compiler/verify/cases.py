@@ -1,18 +1,16 @@
-"""Verification inputs: real text through the checkpoint's tokenizer, and random token ids."""
+"""Verification inputs: real text through the checkpoint's tokenizer, random token ids, generation prompts."""
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.compiler.load import Checkpoint
-from kiln.compiler.verify import Case
+from kiln.compiler.verify.parity import Case
 from kiln.runtimes.generation import pad_rows
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kiln.compiler.load import Checkpoint
 
 SAMPLE_TEXTS = (
     "The cat sat on the mat.",
@@ -25,34 +23,7 @@ LONG_TEXT = (
 )
 
 
-def load_hf_tokenizer(path: Path) -> Any | None:
-    """The checkpoint's fast tokenizer, or None when it ships none kiln can use."""
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # no tokenizer files, or an unusable slow-only tokenizer
-        log.info("no usable tokenizer in %s (%s); verification uses random ids only", path, e)
-        return None
-    if not getattr(tok, "is_fast", False):
-        log.info("tokenizer in %s is not a fast tokenizer; the artifact will not ship one", path)
-        return None
-    return tok
-
-
-def padding_side(ckpt: Checkpoint) -> str:
-    return "left" if ckpt.kind == "decoder" else "right"
-
-
-def pad_token_id(ckpt: Checkpoint, tok: Any | None) -> int:
-    for value in (getattr(tok, "pad_token_id", None), ckpt.config.pad_token_id, getattr(tok, "eos_token_id", None),
-                  ckpt.config.eos_token_id):
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def _pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[np.ndarray, np.ndarray]:
+def pad(rows: list[list[int]], pad_id: int, side: str) -> tuple[np.ndarray, np.ndarray]:
     padded = pad_rows(rows, pad_id, side)
     return padded.ids, padded.mask
 
@@ -64,14 +35,16 @@ def make_feeds(ids: np.ndarray, mask: np.ndarray, input_names: list[str]) -> dic
     return feeds
 
 
-def text_cases(ckpt: Checkpoint, tok: Any, input_names: list[str]) -> list[Case]:
+def text_cases(ckpt: Checkpoint, input_names: list[str]) -> list[Case]:
+    tok = ckpt.tokenizer
+    if tok is None:
+        return []
     limit = min(ckpt.max_length, 128)
     long = (LONG_TEXT * 20)
     rows = [tok(t, add_special_tokens=True, truncation=True, max_length=limit)["input_ids"] for t in (*SAMPLE_TEXTS, long)]
-    pad = pad_token_id(ckpt, tok)
-    side = padding_side(ckpt)
-    cases = [Case(f"text[{i}]", make_feeds(*_pad([r], pad, side), input_names), "text") for i, r in enumerate(rows)]
-    ids, mask = _pad(rows, pad, side)
+    pad_id, side = ckpt.pad_token_id, ckpt.padding_side
+    cases = [Case(f"text[{i}]", make_feeds(*pad([r], pad_id, side), input_names), "text") for i, r in enumerate(rows)]
+    ids, mask = pad(rows, pad_id, side)
     cases.append(Case(f"text padded batch {len(rows)}", make_feeds(ids, mask, input_names), "text"))
     return cases
 
@@ -80,7 +53,7 @@ def random_cases(ckpt: Checkpoint, input_names: list[str], longest: int, seed: i
     rng = np.random.default_rng(seed)
     vocab = int(ckpt.config.vocab_size)
     longest = max(2, min(longest, ckpt.max_length))
-    side = padding_side(ckpt)
+    side = ckpt.padding_side
     cases = []
     for batch, seq in ((1, 1), (2, min(17, longest)), (3, longest)):
         ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64)
@@ -101,11 +74,18 @@ def latency_feeds(ckpt: Checkpoint, input_names: list[str], shape: tuple[int, in
     return make_feeds(ids, np.ones_like(ids), input_names)
 
 
-def generation_prompts(ckpt: Checkpoint, tok: Any | None, seed: int) -> list[list[int]]:
+def generation_prompts(ckpt: Checkpoint, seed: int, length: int = 24, low: int = 0) -> list[list[int]]:
     """Three prompts of different lengths: the sample texts, or random ids without a tokenizer."""
+    tok = ckpt.tokenizer
     if tok is not None:
-        rows = [tok(t, add_special_tokens=True)["input_ids"][:24] for t in SAMPLE_TEXTS]
+        rows = [tok(t, add_special_tokens=True)["input_ids"][:length] for t in SAMPLE_TEXTS]
         if all(rows):
             return rows
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]
+    return [rng.integers(low, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]
+
+
+def seq2seq_sources(ckpt: Checkpoint, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three source texts of different lengths, right-padded (encoders pad right); ids from 3 up avoid
+    the usual special tokens when there is no tokenizer."""
+    return pad(generation_prompts(ckpt, seed, length=32, low=3), ckpt.pad_token_id, "right")

@@ -1,6 +1,7 @@
 """``kiln`` command line. Exit codes: 0 success, 1 the job failed, 2 bad usage.
 
-``kiln run`` uses only ``kiln.runtimes``; torch is imported by ``kiln compile`` alone.
+``kiln run`` and ``kiln generate`` use only ``kiln.runtimes``; torch is imported by ``kiln compile`` (and by
+``kiln bench --eager`` / ``kiln report``, which run the checkpoint eagerly).
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     from kiln.compiler.options import CALIBRATION_METHODS, PRECISIONS, TARGETS, TASKS, CompileOptions
+    from kiln.evaluate.gate import THRESHOLDS
+    from kiln.evaluate.options import BenchOptions, ReportOptions
+    from kiln.runtimes.sampling import GenerateOptions
 
     d = CompileOptions()
+    g, bo, ro = GenerateOptions(), BenchOptions(), ReportOptions()
     p = argparse.ArgumentParser(prog="kiln", description="Compile Transformers into verified deployment artifacts.")
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
@@ -79,12 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the artifact's tokenizer)")
     src.add_argument("--ids", help="comma-separated prompt token ids; prints token ids")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens)
+    gen.add_argument("--do-sample", action="store_true", default=g.do_sample, help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=g.temperature)
+    gen.add_argument("--top-k", type=int, default=g.top_k, help="keep the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass")
+    gen.add_argument("--repetition-penalty", type=float, default=g.repetition_penalty)
     gen.add_argument("--stop-id", type=int, action="append", help="stop token id (repeatable; default: the model's eos)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--threads", type=int, default=None)
@@ -103,11 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("artifact")
     b.add_argument("--eager", metavar="CKPT", help="also time the checkpoint in eager PyTorch (needs the compile extra)")
     b.add_argument("--compare", metavar="ARTIFACT", help="also time another artifact (e.g. another precision)")
-    b.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    b.add_argument("--seq-len", type=int, nargs="+", default=[128])
-    b.add_argument("--budget-seconds", type=float, default=2.0, help="timing budget per system and shape")
-    b.add_argument("--rounds", type=int, default=5, help="alternating rounds the budget is split into")
-    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--batch-size", type=int, nargs="+", default=list(bo.batch_sizes))
+    b.add_argument("--seq-len", type=int, nargs="+", default=list(bo.seq_lens))
+    b.add_argument("--budget-seconds", type=float, default=bo.budget_s, help="timing budget per system and shape")
+    b.add_argument("--rounds", type=int, default=bo.rounds, help="alternating rounds the budget is split into")
+    b.add_argument("--threads", type=int, default=bo.threads)
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
@@ -116,18 +121,16 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--reference", required=True, help="the checkpoint directory the artifact was compiled from")
     rep.add_argument("--data", required=True, help="text file (one text per line) or JSONL with a text field")
     rep.add_argument("-o", "--output", required=True, help="directory for report.json, report.md, report.html")
-    rep.add_argument("--max-texts", type=int, default=64, help="texts to use from --data (default 64)")
-    rep.add_argument("--max-tokens", type=int, default=128, help="tokens per text (default 128)")
-    rep.add_argument("--latency-seconds", type=float, default=3.0, help="time spent measuring latency")
-    rep.add_argument("--threads", type=int, default=None)
+    rep.add_argument("--max-texts", type=int, default=ro.max_texts, help=f"texts to use from --data (default {ro.max_texts})")
+    rep.add_argument("--max-tokens", type=int, default=ro.max_tokens, help=f"tokens per text (default {ro.max_tokens})")
+    rep.add_argument("--latency-seconds", type=float, default=ro.latency_s, help="time spent measuring latency")
+    rep.add_argument("--threads", type=int, default=ro.threads)
     rep.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     gate = sub.add_parser("gate", help="check a report against thresholds: exit 0 pass, 1 violated, 2 unusable input")
     gate.add_argument("report", help="report.json written by kiln report")
     gate.add_argument("--baseline", help="the last release's report.json, for max_latency_regression_pct")
     gate.add_argument("--config", help="TOML file with a [gate] table (default: ./kiln.toml, ./pyproject.toml)")
-    from kiln.compiler.gate import THRESHOLDS
-
     for key in THRESHOLDS:
         gate.add_argument("--" + key.replace("_", "-"), type=float, default=None, dest=key)
     gate.add_argument("--json", action="store_true", help="print the checks as JSON")
@@ -181,8 +184,14 @@ def parity_table(manifest: dict[str, Any]) -> str:
         return lines[0]
     lines.append(f"  {'output':<20} {'max abs err':>12} {'max rel err':>12} {'cosine min':>11} {'top-1':>7}")
     for name, s in v["summary"].items():
-        top1 = f"{s['top1_agreement']:.1%}" if "top1_agreement" in s else "-"
-        lines.append(f"  {name:<20} {s['max_abs']:>12.3g} {s['max_rel']:>12.3g} {s['cosine_min']:>11.6f} {top1:>7}")
+        def cell(key: str, fmt: str, width: int) -> str:
+            return f"{s[key]:>{width}{fmt}}" if s.get(key) is not None else f"{'-':>{width}}"
+
+        lines.append(f"  {name:<20} {cell('max_abs', '.3g', 12)} {cell('max_rel', '.3g', 12)} "
+                     f"{cell('cosine_min', '.6f', 11)} {cell('top1_agreement', '.1%', 7)}")
+    on = v.get("verified_on")
+    if on:
+        lines.append(f"  verified on {on['backend']} {on['device']}" + (f" ({on['note']})" if on.get("note") else ""))
     gen = v.get("generation")
     if gen:
         lines.append(f"  generation: {gen['steps']} greedy steps x batch {gen['batch']} through the cache, tokens identical "
@@ -195,7 +204,7 @@ def parity_table(manifest: dict[str, Any]) -> str:
                      f"({lat['speedup']:.2f}x)")
     q = v.get("quantization")
     if q:
-        cost = [f"min cosine {q['cosine_min_vs_eager']:.4f}"] + ([f"top-1 {q['top1_vs_eager']:.1%}"] if q["top1_vs_eager"] is not None else [])
+        cost = ([f"min cosine {q['cosine_min_vs_eager']:.4f}"] if q["cosine_min_vs_eager"] is not None else []) + ([f"top-1 {q['top1_vs_eager']:.1%}"] if q["top1_vs_eager"] is not None else [])
         if "budget" in q:
             b = q["budget"]
             cost.append(f"held-out {b['metric']} {b['heldout']:.4g} (budget {b['value']})")
@@ -206,12 +215,11 @@ def parity_table(manifest: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kiln.compiler.bench import bench, table
+    from kiln.evaluate.bench import bench, table
+    from kiln.evaluate.options import BenchOptions
 
-    if args.budget_seconds <= 0 or args.rounds < 1:
-        raise UsageError("--budget-seconds must be positive and --rounds at least 1")
-    result = bench(args.artifact, args.batch_size, args.seq_len, args.eager, args.compare, args.budget_seconds,
-                   args.rounds, args.threads, progress=_Progress(args.quiet))
+    opts = BenchOptions(tuple(args.batch_size), tuple(args.seq_len), args.budget_seconds, args.rounds, args.threads)
+    result = bench(args.artifact, args.eager, args.compare, opts, progress=_Progress(args.quiet))
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -220,12 +228,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kiln.compiler.report import report
+    from kiln.evaluate.options import ReportOptions
+    from kiln.evaluate.report import report
 
-    if args.max_texts < 1 or args.max_tokens < 2:
-        raise UsageError("--max-texts must be at least 1 and --max-tokens at least 2")
-    result = report(args.artifact, args.reference, args.data, args.output, args.max_texts, args.max_tokens,
-                    args.latency_seconds, args.threads, progress=_Progress(args.quiet))
+    opts = ReportOptions(args.max_texts, args.max_tokens, args.latency_seconds, args.threads)
+    result = report(args.artifact, args.reference, args.data, args.output, opts, progress=_Progress(args.quiet))
     lat = result["latency"]
     print("\n".join(f"{k:>22}: {v:.6g}" if isinstance(v, float) else f"{k:>22}: {v}" for k, v in result["metrics"].items()))
     print(f"{'latency p50/p90/p99':>22}: {lat['p50_ms']:.3f} / {lat['p90_ms']:.3f} / {lat['p99_ms']:.3f} ms")
@@ -233,7 +240,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from kiln.compiler import gate
+    from kiln.evaluate import gate
 
     current = gate.load_report(args.report)
     baseline = gate.load_report(args.baseline, "baseline") if args.baseline else None

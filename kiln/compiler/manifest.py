@@ -1,0 +1,151 @@
+"""The artifact's ``manifest.json``: every section is built here, and written once, when the artifact is
+complete (the verifier opens the staged artifact from the manifest in memory)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.compiler.load import Checkpoint
+from kiln.compiler.options import CompileOptions
+from kiln.compiler.pipeline import ModelFacts
+from kiln.errors import UsageError
+from kiln.runtimes.artifact import MANIFEST, SCHEMA_VERSION, TensorSpec, sha256_file
+
+_TOOLS = ("kiln", "torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "numpy", "tokenizers")
+TARGETS = {"cpu": "onnxruntime-cpu", "tensorrt": "tensorrt"}
+VERIFIED_ON = {"backend": "onnxruntime", "providers": ["CPUExecutionProvider"], "device": "cpu"}
+"""Where verification and the latency measurement run today, for every target."""
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in _TOOLS:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+def tokenizer_section(ckpt: Checkpoint) -> dict[str, Any] | None:
+    tok = ckpt.tokenizer
+    if tok is None:
+        return None
+    return {"file": "tokenizer.json", "pad_token_id": ckpt.pad_token_id, "padding_side": ckpt.padding_side,
+            "add_special_tokens": True, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+
+
+def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: list[dict[str, Any]],
+         inputs: list[TensorSpec], outputs: list[TensorSpec], graphs: dict[str, str]) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "kiln_version": __version__,
+        "model": {
+            "architecture": ckpt.architecture, "model_type": ckpt.model_type, "kind": ckpt.kind, "task": ckpt.task,
+            "max_sequence_length": ckpt.max_length, "vocab_size": int(ckpt.config.vocab_size),
+            "num_layers": facts.num_layers, "labels": ckpt.labels, "pooling": ckpt.pooling,
+            "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256},
+        },
+        "inputs": [s.to_json() for s in inputs],
+        "outputs": [s.to_json() for s in outputs],
+        "dynamic_axes": {"batch": {"min": 1}, "sequence": {"min": 1, "max": ckpt.max_length}},
+        "graphs": graphs,
+        "opset": options.opset,
+        "precision": options.precision,
+        "target": TARGETS[options.target],
+        "passes": record,
+        "tokenizer": tokenizer_section(ckpt),
+        "verification": {"status": "skipped" if not options.verify else "pending"},
+        "options": options.to_json(),
+        "tool_versions": tool_versions(),
+    }
+    if ckpt.tokenizer_problem:
+        data["tokenizer_warning"] = f"no tokenizer shipped: {ckpt.tokenizer_problem}; verified on random token ids only"
+    return data
+
+
+def kv_names(layers: int) -> dict[str, list[str]]:
+    return {
+        "past": [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")],
+        "present": [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")],
+        "cross": [f"cross.{i}.{k}" for i in range(layers) for k in ("key", "value")],
+    }
+
+
+def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions) -> None:
+    """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop."""
+    capacity = options.max_length or ckpt.max_length
+    if capacity > ckpt.max_length:
+        raise UsageError(f"--max-length {capacity} exceeds the model's maximum sequence length {ckpt.max_length}; "
+                         f"give at most {ckpt.max_length}")
+    names = kv_names(facts.num_layers)
+    shape = ["batch", facts.num_kv_heads, "past_sequence", facts.head_size]
+    data["inputs"] = [dict(s, shape=["batch", "total_sequence"]) if s["name"] == "attention_mask" else s
+                      for s in data["inputs"]]
+    data["inputs"] += [TensorSpec(n, "float32", tuple(shape), True, "empty").to_json() for n in names["past"]]
+    data["outputs"] += [TensorSpec(n, "float32", tuple(shape[:2] + ["present_sequence"] + shape[3:])).to_json()
+                        for n in names["present"]]
+    data["dynamic_axes"]["total_sequence"] = {"min": 1, "max": capacity}
+    data["kv_cache"] = {
+        "layout": ["batch", "kv_heads", "sequence", "head_size"], "dtype": "float32",
+        "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_size": facts.head_size,
+        "past": names["past"], "present": names["present"], "capacity": capacity,
+        # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime
+        # may bind one buffer of `capacity` positions as both past and present and never copy the cache.
+        "shared_buffer": True,
+    }
+    data["generation"] = generation_defaults(ckpt)
+
+
+def add_seq2seq(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
+                decoder_io: tuple[list[TensorSpec], list[TensorSpec]]) -> None:
+    """Encoder-decoders: the decoder graph's contract, the self/cross cache layout, the decoder start token."""
+    names = kv_names(facts.num_layers)
+    data["decoder"] = {"inputs": [t.to_json() for t in decoder_io[0]], "outputs": [t.to_json() for t in decoder_io[1]]}
+    data["kv_cache"] = {"layout": ["batch", "heads", "sequence", "head_size"], "dtype": "float32",
+                        "num_layers": facts.num_layers, "num_kv_heads": facts.num_heads, "head_size": facts.head_size,
+                        "past": names["past"], "present": names["present"], "cross": names["cross"],
+                        "capacity": options.max_length or ckpt.max_length, "shared_buffer": False}
+    data["generation"] = dict(generation_defaults(ckpt), decoder_start_token_id=int(ckpt.config.decoder_start_token_id))
+
+
+def generation_defaults(ckpt: Checkpoint) -> dict[str, Any]:
+    """Stop and pad ids from the generation config (else the model config), kept only if in the vocabulary."""
+    vocab = int(ckpt.config.vocab_size)
+    gen = getattr(ckpt.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = ckpt.config.eos_token_id if eos is None else eos
+    eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None and 0 <= int(e) < vocab]
+    pad = getattr(gen, "pad_token_id", None) if gen is not None else None
+    pad = pad if pad is not None and 0 <= int(pad) < vocab else (eos_ids[0] if eos_ids else 0)
+    return {"eos_token_ids": eos_ids, "pad_token_id": int(pad)}
+
+
+def verification(report: dict[str, Any], options: CompileOptions, int8_summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's summary of a passed verification, saying where it ran (never implying a GPU)."""
+    on = dict(VERIFIED_ON, threads=options.threads)
+    if options.target != "cpu":
+        on["note"] = (f"target {options.target}: the graph was verified and timed on ONNX Runtime CPU; "
+                      "no TensorRT engine was built or run")
+    out: dict[str, Any] = {"status": "passed", "report": "report.json", "verified_on": on, "summary": report["summary"]}
+    if report.get("latency"):
+        out["latency"] = dict(report["latency"], measured_on=f"{on['backend']} {on['device']}")
+    if int8_summary:
+        out["quantization"] = int8_summary
+    if "generation" in report:
+        out["generation"] = {k: report["generation"][k] for k in
+                             ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}
+    return out
+
+
+def write(root: Path, data: dict[str, Any]) -> None:
+    """Write ``manifest.json`` with the sha256 of every other file in ``root``."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    data = dict(data, files={p.relative_to(root).as_posix(): sha256_file(p) for p in files})
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.replace(root / MANIFEST)

@@ -1,0 +1,26 @@
+"""The one place the defaults of ``kiln bench`` and ``kiln report`` live, for the CLI and the Python API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    batch_sizes: tuple[int, ...] = (1,)
+    seq_lens: tuple[int, ...] = (128,)
+    budget_s: float = 2.0
+    """Timing budget per system and shape, split over ``rounds`` alternating rounds."""
+    rounds: int = 5
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    max_texts: int = 64
+    """Texts used from the data file."""
+    max_tokens: int = 128
+    """Tokens per text."""
+    latency_s: float = 3.0
+    """Seconds spent measuring the latency distribution."""
+    threads: int | None = None
