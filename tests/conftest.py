@@ -67,6 +67,27 @@ def make_model(family: str, head: str):
     elif family == "mistral":
         cfg = T.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                               intermediate_size=128, max_position_embeddings=128, sliding_window=None, **common)
+    # Families kiln has no code for by name: resolved by capability (tests/compiler/test_families.py)
+    elif family == "electra":
+        cfg = T.ElectraConfig(embedding_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=64, **common)
+    elif family == "xlm-roberta":
+        cfg = T.XLMRobertaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                 max_position_embeddings=66, pad_token_id=0, bos_token_id=2, eos_token_id=3, **common)
+    elif family == "granite":  # llama plus embedding/residual/attention multipliers and logits scaling
+        cfg = T.GraniteConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=128, max_position_embeddings=128, embedding_multiplier=2.0,
+                              residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0, **common)
+    elif family == "olmo":  # non-parametric LayerNorm
+        cfg = T.OlmoConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+                           bos_token_id=None, **common)
+    elif family == "starcoder2":  # biased projections, LayerNorm, gelu MLP
+        cfg = T.Starcoder2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=128, max_position_embeddings=128, sliding_window=None, **common)
+    elif family == "stablelm":  # partial rotary (25% of each head): GroupQueryAttention cannot take it
+        cfg = T.StableLmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, max_position_embeddings=128, **common)
     elif family == "t5":
         cfg = T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, n_positions=128, **common)
@@ -99,7 +120,8 @@ def save_checkpoint(path: Path, family: str, head: str, tokenizer: bool = True) 
     model = make_model(family, head)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
-        kind = "encoder" if family in ("bert", "roberta", "distilbert", "t5", "bart", "marian") else "decoder"
+        kind = "encoder" if family in ("bert", "roberta", "distilbert", "electra", "xlm-roberta", "t5", "bart",
+                                       "marian") else "decoder"
         make_tokenizer(kind).save_pretrained(path)
     return path
 

@@ -32,7 +32,7 @@ THRESHOLDS: dict[str, tuple[str, str, str]] = {
 def _toml() -> Any:
     """tomllib (Python 3.11+) or its backport tomli, declared for 3.10 in pyproject.toml."""
     if sys.version_info >= (3, 11):
-        import tomllib
+        import tomllib  # novermin (3.11+ only, guarded above)
 
         return tomllib
     try:

@@ -9,6 +9,8 @@ LayerNormFusion does not put the slow kernel back. Numerics: the same two-pass F
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -21,6 +23,15 @@ def _opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
+@dataclass
+class _Run:
+    """One run's settings and the constants it has made, kept off the pass object."""
+
+    axes_input: bool
+    rms_op: bool
+    consts: dict[tuple[str, float], str] = field(default_factory=dict)  # one initializer per distinct constant
+
+
 class DecomposeNorm(Pass):
     name = "decompose-norm"
 
@@ -29,10 +40,8 @@ class DecomposeNorm(Pass):
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
-        self._axes_input = _opset(model) >= 18
         # LayerNorm through the RMSNorm kernel (standard from opset 23), unless RMSNorm itself is to be expanded
-        self._rms_op = _opset(model) >= 23 and "RMSNormalization" not in self.ops
-        self._consts: dict[tuple[str, float], str] = {}  # one initializer per distinct constant
+        run = _Run(axes_input=_opset(model) >= 18, rms_op=_opset(model) >= 23 and "RMSNormalization" not in self.ops)
         stats = {"layernorm": 0, "rmsnorm": 0}
         skipped = []
         # Handles first: the LayerNorm rewrite emits RMSNormalization nodes that are not to be expanded again.
@@ -48,22 +57,23 @@ class DecomposeNorm(Pass):
             if attr(node, "stash_type", 1) != 1:
                 skipped.append(Reason(where, "stash_type is not FP32"))
                 continue
-            new = self._expand(g, node, op == "RMSNormalization")
+            new = self._expand(g, node, op == "RMSNormalization", run)
             g.replace_nodes([node], new)
             stats["rmsnorm" if op == "RMSNormalization" else "layernorm"] += 1
         return PassResult(g.model, any(stats.values()), stats, skipped)
 
-    def _const(self, g: Graph, kind: str, value: np.ndarray) -> str:
+    @staticmethod
+    def _const(g: Graph, kind: str, value: np.ndarray, run: _Run) -> str:
         key = (kind, float(value.reshape(-1)[0]))
-        if key not in self._consts:
-            self._consts[key] = g.add_initializer(f"norm_{kind}", value)
-        return self._consts[key]
+        if key not in run.consts:
+            run.consts[key] = g.add_initializer(f"norm_{kind}", value)
+        return run.consts[key]
 
-    def _centred_rms(self, g: Graph, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    def _centred_rms(self, g: Graph, node: onnx.NodeProto, run: _Run) -> list[onnx.NodeProto]:
         """LayerNorm(x) = RMSNorm(x - mean(x)) + beta: ONNX Runtime's RMSNorm kernel is the fast one."""
         x, scale = node.input[0], node.input[1]
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        axes = self._const(g, "axes", np.array([-1], dtype=np.int64))
+        axes = self._const(g, "axes", np.array([-1], dtype=np.int64), run)
         t = {k: g.fresh(f"{node.name or 'norm'}_{k}") for k in ("mu", "d", "n")}
         out = node.output[0]
         nodes = [helper.make_node("ReduceMean", [x, axes], [t["mu"]], keepdims=1),
@@ -76,13 +86,13 @@ class DecomposeNorm(Pass):
             n.name = g.fresh(f"{node.name or 'norm'}_{i}")
         return nodes
 
-    def _expand(self, g: Graph, node: onnx.NodeProto, rms: bool) -> list[onnx.NodeProto]:
-        if not rms and self._rms_op:
-            return self._centred_rms(g, node)
+    def _expand(self, g: Graph, node: onnx.NodeProto, rms: bool, run: _Run) -> list[onnx.NodeProto]:
+        if not rms and run.rms_op:
+            return self._centred_rms(g, node, run)
         x, scale = node.input[0], node.input[1]
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        eps = self._const(g, "eps", np.array(attr(node, "epsilon", 1e-5), dtype=np.float32))
-        axes = self._const(g, "axes", np.array([-1], dtype=np.int64)) if self._axes_input else None
+        eps = self._const(g, "eps", np.array(attr(node, "epsilon", 1e-5), dtype=np.float32), run)
+        axes = self._const(g, "axes", np.array([-1], dtype=np.int64), run) if run.axes_input else None
         t = {k: g.fresh(f"{node.name or 'norm'}_{k}") for k in ("mu", "d", "sq", "var", "ve", "sd", "inv", "n", "s")}
 
         def mean(src: str, dst: str) -> onnx.NodeProto:

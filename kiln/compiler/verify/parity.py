@@ -59,7 +59,8 @@ def _rows(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> tuple[np.nda
     """Flatten to (rows, features), keeping only real-token positions of per-token outputs."""
     if mask is not None and a.ndim >= 2 and a.shape[:2] == mask.shape:
         keep = mask.astype(bool)
-        return a[keep].reshape(int(keep.sum()), -1), b[keep].reshape(int(keep.sum()), -1)
+        rows, width = int(keep.sum()), int(np.prod(a.shape[2:], dtype=np.int64))
+        return a[keep].reshape(rows, width), b[keep].reshape(rows, width)
     lead = a.shape[0] if a.ndim > 1 else 1
     return a.reshape(lead, -1), b.reshape(lead, -1)
 

@@ -1,0 +1,41 @@
+"""Architectures kiln has no code for by name compile when their graphs are the patterns kiln fuses:
+coverage and parity decide. An unsupported pattern fails naming the rule and the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import fast_options, save_checkpoint
+from kiln.cli import main
+from kiln.compiler import compile
+
+NEW = [("electra", "base", "fuse-attention"), ("xlm-roberta", "base", "fuse-attention"),
+       ("granite", "causal-lm", "fuse-gqa"), ("olmo", "causal-lm", "fuse-gqa"), ("starcoder2", "causal-lm", "fuse-gqa")]
+
+
+@pytest.mark.parametrize("family,head,rule", NEW, ids=[f for f, _, _ in NEW])
+def test_new_family_compiles_with_full_coverage(tmp_path, family, head, rule):
+    ckpt = save_checkpoint(tmp_path / family, family, head)
+    out = compile(ckpt, tmp_path / "art", fast_options())
+    manifest = json.loads((out / "manifest.json").read_text())
+    passes = {p["name"]: p for p in manifest["passes"]}
+    assert manifest["model"]["model_type"] == family and manifest["verification"]["status"] == "passed"
+    assert passes[rule]["coverage"] == {"expected": 2, "fused": 2}
+    if head == "causal-lm":  # a KV cache for every layer, and greedy tokens identical to Hugging Face generate
+        assert passes["kv-cache"]["coverage"] == {"expected": 2, "fused": 2}
+        gen = manifest["verification"]["generation"]
+        assert gen["tokens_identical"] and gen["steps"] == 16 and gen["max_abs_over_atol"] <= 1
+    else:
+        assert manifest["verification"]["summary"]["last_hidden_state"]["max_abs"] <= 1e-4
+
+
+def test_partial_rotary_fails_naming_the_rule_and_why(tmp_path, capsys):
+    ckpt = save_checkpoint(tmp_path / "stablelm", "stablelm", "causal-lm")
+    rc = main(["compile", str(ckpt), "-o", str(tmp_path / "art"), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("kiln compile: error:") == 1
+    assert "fuse-gqa fused 0 of 2 expected" in err and "partial rotary" in err and "--allow-partial-fusion" in err
+    assert "not support" not in err  # refused for its graph, not its name
+    assert not (tmp_path / "art").exists()

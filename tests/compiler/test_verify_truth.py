@@ -1,0 +1,85 @@
+"""Verification tells the truth: a metric with nothing to measure is absent (never a perfect score), and the
+manifest says where the artifact was verified and timed."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+
+from conftest import fast_options
+from kiln.compiler import compile
+from kiln.compiler.verify import metrics
+from kiln.compiler.verify.generation import compare_steps
+from kiln.compiler.verify.parity import TOLERANCES, Case, compare_output, summarize, verify
+from kiln.evaluate.report import greedy_match_rate
+
+FP32 = TOLERANCES["fp32"]
+
+
+def test_case_with_no_real_rows_has_no_numbers_and_no_verdict():
+    ref = np.ones((2, 3, 4), np.float32)
+    out = compare_output("last_hidden_state", ref, ref + 5, np.zeros((2, 3), np.int64), FP32)
+    assert out == {"passed": None, "compared": 0}
+
+
+def test_top1_without_a_decisive_position_is_absent():
+    tied = np.zeros((4, 10), np.float32)  # every row's best two logits are equal
+    out = compare_output("logits", tied, tied, None, FP32)
+    assert out["top1_agreement"] is None and out["top1_ties_excluded"] == 4 and out["passed"] is True
+    assert metrics.top1(tied, tied, 1e-4)["agreement"] is None
+
+
+def test_summary_reports_only_what_some_case_measured():
+    results = [{"outputs": {"logits": {"passed": None, "compared": 0}}}]
+    assert summarize(results) == {"logits": {"compared": 0, "passed": True}}
+
+
+class Echo:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def run(self, feeds):
+        return {"last_hidden_state": self.fn(feeds["input_ids"].astype(np.float32)[..., None])}
+
+
+def test_an_output_no_case_compared_fails_verification():
+    feeds = {"input_ids": np.ones((1, 3), np.int64), "attention_mask": np.zeros((1, 3), np.int64)}
+    report = verify(Echo(lambda x: x), Echo(lambda x: x + 1), [Case("all padding", feeds, "random")], "fp32")
+    assert report["passed"] is False and report["uncompared_outputs"] == ["last_hidden_state"]
+    assert report["cases"][0]["passed"] is None
+
+
+def test_planted_error_fails_even_next_to_an_empty_case():
+    empty = {"input_ids": np.ones((1, 3), np.int64), "attention_mask": np.zeros((1, 3), np.int64)}
+    full = {"input_ids": np.ones((1, 3), np.int64), "attention_mask": np.ones((1, 3), np.int64)}
+    report = verify(Echo(lambda x: x), Echo(lambda x: x + 1e-3), [Case("e", empty, "random"), Case("f", full, "random")],
+                    "fp32")
+    assert report["passed"] is False and report["summary"]["last_hidden_state"]["max_abs"] > 1e-4
+
+
+def test_generation_agreement_is_absent_when_every_step_is_a_tie():
+    tied = np.zeros((3, 2, 8), np.float32)  # (steps, batch, vocab)
+
+    def forced():
+        yield from tied
+
+    out = compare_steps(forced, tied, np.zeros((2, 3), np.int64), lambda: np.zeros((2, 3), np.int64), TOLERANCES["int8"])
+    assert out["decisive_agreement"] is None and out["passed"]
+
+
+def test_greedy_match_rate_is_absent_when_the_cache_has_no_room():
+    full = SimpleNamespace(manifest=SimpleNamespace(data={"kv_cache": {"capacity": 4}, "generation": {}}),
+                           max_sequence_length=4)
+    assert greedy_match_rate(full, None, [[1, 2, 3, 4]]) is None
+
+
+def test_manifest_says_where_a_tensorrt_graph_was_verified(checkpoints, tmp_path):
+    out = compile(checkpoints["bert"], tmp_path / "trt", fast_options(target="tensorrt"))
+    v = json.loads((out / "manifest.json").read_text())["verification"]
+    assert v["verified_on"]["backend"] == "onnxruntime" and v["verified_on"]["device"] == "cpu"
+    assert "no TensorRT engine was built or run" in v["verified_on"]["note"]
+    assert v["latency"]["measured_on"] == "onnxruntime cpu"
+    report = json.loads((out / "report.json").read_text())
+    assert report["verified_on"]["providers"] == ["CPUExecutionProvider"]
