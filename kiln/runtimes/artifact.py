@@ -1,6 +1,6 @@
 """Reading an artifact directory: the manifest, its schema version and the file checksums.
 
-The writer lives in ``kiln.compiler.artifact``; both agree on the names defined here.
+The writer lives in ``kiln.compiler.manifest``; both agree on the names defined here.
 """
 
 from __future__ import annotations
