@@ -92,8 +92,8 @@ def io_specs(ckpt: Checkpoint) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, outputs
 
 
-def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: int) -> list[Path]:
-    """Trace to ``path``; returns the files written (the graph, and its external data if any)."""
+def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: int) -> None:
+    """Trace to ``path`` (weights over ``external_data_threshold`` bytes beside it, in ``path.data``)."""
     module = graph_module(ckpt)
     inputs, outputs = io_specs(ckpt)
     example = tuple(torch.randint(0, 2, (2, 8), dtype=torch.long) for _ in inputs)
@@ -118,10 +118,6 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
     weight_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters())
     external = weight_bytes > external_data_threshold
     program.save(str(path), external_data=external)
-    files = [path]
-    if external:
-        files += [p for p in path.parent.iterdir() if p != path and p.name.startswith(path.name)]
-    return files
 
 
 class EagerRunner:
