@@ -200,12 +200,14 @@ def test_int8_compiles_and_verifies_with_the_int8_table(checkpoints, tmp_path, f
     assert manifest["precision"] == "int8" and manifest["verification"]["status"] == "passed"
     report = json.loads((out / "report.json").read_text())
     assert report["tolerance"]["min_cosine"] == 0.98
-    quant = next(p for p in manifest["passes"] if p["name"] == "quantize-int8")["stats"]
+    # encoders: per-tensor dynamic activations (DynamicQuantizeMatMul, QAttention); decoders: blocked (MatMulNBits)
+    quantizer = "quantize-int8" if family == "bert" else "quantize-nbits"
+    quant = next(p for p in manifest["passes"] if p["name"] == quantizer)["stats"]
     # bert: per layer the packed QKV (QAttention), attention output and two FFN MatMuls; llama: QKV, O, 3 MLP (+ head)
     assert quant["quantized"] == (8 if family == "bert" else 11) and quant.get("attention", 0) == (2 if family == "bert" else 0)
     ops = [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node]
-    assert ops.count("DynamicQuantizeMatMul") + ops.count("QAttention") == quant["quantized"]
-    assert next(p for p in manifest["passes"] if p["name"] == "quantize-int8")["calibration"]["texts"] >= 90  # default text
+    assert ops.count("DynamicQuantizeMatMul") + ops.count("QAttention") + ops.count("MatMulNBits") == quant["quantized"]
+    assert next(p for p in manifest["passes"] if p["name"] == quantizer)["calibration"]["texts"] >= 90  # default text
     summary = next(iter(manifest["verification"]["summary"].values()))
     assert 0.9 <= summary["cosine_min"] < 1.0  # quantized, and still close
     if family == "llama":

@@ -76,14 +76,15 @@ def test_gpt2_gemm_weights_are_quantized(checkpoints, tmp_path):
     out = compile(checkpoints["gpt2"], tmp_path / "g", fast_options(precision="int8"))
     m = manifest(out)
     assert entry(m, "gemm-to-matmul")["stats"]["rewritten"] == 2 * 4
-    assert entry(m, "quantize-int8")["stats"]["quantized"] == 2 * 4 + 1  # every layer's four + the LM head
+    # every layer's four + the LM head (tied to the embedding: MatMul(h, Transpose(wte)))
+    assert entry(m, "quantize-nbits")["stats"]["quantized"] == 2 * 4 + 1
 
 
 @pytest.mark.parametrize("budget", ["top1=0.9", "ppl=5", "kl=0.05"])
 def test_decoder_budget_is_measured_on_heldout_text(checkpoints, tmp_path, texts, budget):
     out = compile(checkpoints["llama"], tmp_path / "b", fast_options(precision="int8", max_drop=budget, calibration=texts))
     metric, value = budget.split("=")
-    b = entry(manifest(out), "quantize-int8")["budget"]
+    b = entry(manifest(out), "quantize-nbits")["budget"]
     assert b["metric"] == metric and b["weights"] == 2 * 5 + 1  # packed QKV, O, 3 MLP per layer; the head
     assert set(b["kept_fp32"]) <= set(b["sensitivity"])  # ranked only when all-INT8 misses the budget
     assert len(b["sensitivity"]) in (0, b["weights"])

@@ -39,9 +39,9 @@ def int8_artifact(request, tmp_path_factory):
 
 
 def scales(model: onnx.ModelProto) -> list[onnx.TensorProto]:
-    """Per-column weight scales of the INT8 products, in graph order of their kernels."""
+    """Weight scales of the INT8 products (per column, or per column and block), in graph order of their kernels."""
     names = [n.input[4 if n.op_type == "QAttention" else 2] for n in model.graph.node
-             if n.op_type in ("DynamicQuantizeMatMul", "QAttention")]
+             if n.op_type in ("DynamicQuantizeMatMul", "QAttention", "MatMulNBits")]
     by_name = {t.name: t for t in model.graph.initializer}
     return [by_name[n] for n in names]
 
@@ -52,10 +52,15 @@ def double_one_scale(model: onnx.ModelProto) -> None:
 
 
 def two_bit(model: onnx.ModelProto) -> None:
+    """Every INT8 weight code moved onto 4 levels: int8 codes (encoders), or uint8 codes around 128 (MatMulNBits)."""
+    blocked = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
     for t in model.graph.initializer:
         w = numpy_helper.to_array(t)
         if w.dtype == np.int8 and w.ndim == 2:
             t.CopyFrom(numpy_helper.from_array((np.clip(np.rint(w / 42.0), -2, 1) * 42).astype(np.int8), t.name))
+        elif t.name in blocked:
+            q = np.clip(np.rint((w.astype(np.float32) - 128) / 42.0), -2, 1) * 42 + 128
+            t.CopyFrom(numpy_helper.from_array(q.astype(np.uint8), t.name))
 
 
 def reverify(ckpt_path, artifact, tmp_path, mutate) -> dict:
@@ -79,7 +84,7 @@ def test_default_int8_passes_with_margin(int8_artifact):
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] and report["tolerance"] == {"abs_factor": 5e-2, "min_top1": 0.95, "min_cosine": 0.98}
     for name, s in report["summary"].items():
-        assert s["cosine_min"] >= 0.99, (name, s)  # measured 0.9936 / 0.9937: the bound is not at the edge
+        assert s["cosine_min"] >= 0.99, (name, s)  # measured 0.9936 / 0.99994: the bound is not at the edge
 
 
 @pytest.mark.parametrize("mutate", [double_one_scale, two_bit], ids=["one-layer-scale-2x", "2-bit-weights"])

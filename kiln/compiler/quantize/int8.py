@@ -25,6 +25,7 @@ from kiln.errors import UsageError
 from kiln.passes import run_passes
 from kiln.passes.calibration import Statistics, ranges
 from kiln.passes.quantize_int8 import candidates, weights
+from kiln.passes.quantize_nbits import weights as blockwise_weights
 
 DECODER_TEXTS = 96
 """Decoders keep every calibration batch's FP32 logits in memory for the budget: cap the texts."""
@@ -103,7 +104,7 @@ class Driver:
             trial = StageData(data.channel_absmax, data.ranges, tuple(keep))
             return run_passes(fp32, [build_pass(name, self.facts, self.options, trial)])[0]
 
-        quantizable = weights if name == "quantize-int8" else (lambda m: list(candidates(m)))
+        quantizable = {"quantize-int8": weights, "quantize-nbits": blockwise_weights}.get(name, lambda m: list(candidates(m)))
         result = budget_lib.search(fp32, quantized, self.run_graph, self.cal, self.held, self.budget, self.say, quantizable)
         m = self.budget.metric
         self.say(f"int8 budget: {len(result['kept_fp32'])} of {result['weights']} weights kept FP32; held-out {m} "
