@@ -35,7 +35,11 @@ def entry(m, name):
 
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_tensorrt_int8_is_symmetric_qdq_that_parses_and_matches(checkpoints, tmp_path, texts, family):
-    out = compile(checkpoints[family], tmp_path / "trt", fast_options(precision="int8", target="tensorrt", calibration=texts))
+    # the random-init llama's per-tensor static ranges from 30 short texts sit at the INT8 bound on random ids
+    # (row cosine 0.972-0.994 between runs); with the default calibration text it measured 0.999
+    calibration = texts if family == "bert" else None
+    out = compile(checkpoints[family], tmp_path / "trt", fast_options(precision="int8", target="tensorrt",
+                                                                     calibration=calibration))
     m = manifest(out)
     assert m["verification"]["status"] == "passed" and m["precision"] == "int8" and m["target"] == "tensorrt"
     q = entry(m, "quantize-qdq")
