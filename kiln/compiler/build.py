@@ -169,7 +169,7 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
     if options.verify:
         report = verify_artifact(ckpt, root, data, options, say)
         (root / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        data["verification"] = manifest_lib.verification(report, options, report.get("quantization"))
+        data["verification"] = manifest_lib.verification(report, options)
     else:
         say("verification skipped (--no-verify)")
     manifest_lib.write(root, data)

@@ -125,7 +125,7 @@ def generation_defaults(ckpt: Checkpoint) -> dict[str, Any]:
     return {"eos_token_ids": eos_ids, "pad_token_id": int(pad)}
 
 
-def verification(report: dict[str, Any], options: CompileOptions, int8_summary: dict[str, Any] | None) -> dict[str, Any]:
+def verification(report: dict[str, Any], options: CompileOptions) -> dict[str, Any]:
     """The manifest's summary of a passed verification, saying where it ran (never implying a GPU)."""
     on = dict(VERIFIED_ON, threads=options.threads)
     if options.target != "cpu":
@@ -134,8 +134,8 @@ def verification(report: dict[str, Any], options: CompileOptions, int8_summary: 
     out: dict[str, Any] = {"status": "passed", "report": "report.json", "verified_on": on, "summary": report["summary"]}
     if report.get("latency"):
         out["latency"] = dict(report["latency"], measured_on=f"{on['backend']} {on['device']}")
-    if int8_summary:
-        out["quantization"] = int8_summary
+    if report.get("quantization"):
+        out["quantization"] = report["quantization"]
     if "generation" in report:
         out["generation"] = {k: report["generation"][k] for k in
                              ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}

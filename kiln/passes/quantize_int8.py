@@ -51,9 +51,12 @@ def matmul_weight(g: Graph, node: onnx.NodeProto, min_elements: int) -> np.ndarr
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return None
     w = g.constant(node.input[1])
-    if w is None or w.ndim != 2 or w.dtype != np.float32 or w.size < min_elements or w.shape[0] < MIN_INNER:
-        return None
-    return w
+    return w if quantizable_matrix(w, min_elements) else None
+
+
+def quantizable_matrix(w: np.ndarray | None, min_elements: int) -> bool:
+    """A (K, N) FP32 weight worth quantizing: at least ``min_elements`` elements and ``MIN_INNER`` input channels."""
+    return w is not None and w.ndim == 2 and w.dtype == np.float32 and w.size >= min_elements and w.shape[0] >= MIN_INNER
 
 
 def candidates(model: onnx.ModelProto, min_elements: int = 1024) -> dict[str, str]:

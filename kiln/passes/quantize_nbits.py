@@ -23,7 +23,7 @@ from onnx import helper
 
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
-from kiln.passes.quantize_int8 import matmul_weight
+from kiln.passes.quantize_int8 import matmul_weight, quantizable_matrix
 
 BITS = (4, 8)
 
@@ -79,9 +79,8 @@ def blockwise_weight(g: Graph, node: onnx.NodeProto, min_elements: int) -> np.nd
     if tr is None or tr.op_type != "Transpose" or list(attr(tr, "perm", [1, 0])) != [1, 0]:
         return None
     t = g.constant(tr.input[0])
-    if t is None or t.ndim != 2 or t.dtype != np.float32 or t.size < min_elements or t.shape[1] < 16:
-        return None
-    return t.T
+    w = t.T if t is not None else None
+    return w if quantizable_matrix(w, min_elements) else None
 
 
 def weights(model: onnx.ModelProto, min_elements: int = 1024) -> list[str]:
