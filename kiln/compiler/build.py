@@ -7,6 +7,8 @@ Decoders and encoders trace to one graph (``model.onnx``); encoder-decoders to `
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -22,7 +24,15 @@ from kiln.compiler import manifest as manifest_lib
 from kiln.compiler import trace, trace_seq2seq
 from kiln.compiler.artifact import check_output, staging
 from kiln.compiler.load import Checkpoint, load_checkpoint
-from kiln.compiler.options import CALIBRATION_METHODS, PRECISIONS, TARGETS, TASKS, CompileOptions
+from kiln.compiler.options import (
+    CALIBRATION_METHODS,
+    LM_HEADS,
+    PRECISIONS,
+    QUANT_METHODS,
+    TARGETS,
+    TASKS,
+    CompileOptions,
+)
 from kiln.compiler.pipeline import STAGES, ModelFacts, build_pass, check_coverage, recipe
 from kiln.compiler.quantize import int8
 from kiln.compiler.scoped import torch_threads
@@ -45,9 +55,11 @@ def _check_options(options: CompileOptions) -> None:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
     if options.max_length is not None and options.max_length < 2:
         raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
-    if (options.max_drop or options.calibration or options.static or options.smoothquant is not None) \
-            and options.precision != "int8":
-        raise UsageError("--max-drop, --calibration, --static and --smoothquant configure INT8; add --precision int8")
+    if (options.static or options.smoothquant is not None) and options.precision != "int8":
+        raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
+    if (options.max_drop or options.calibration) and options.precision == "fp32":
+        raise UsageError("--max-drop and --calibration configure quantization; add --precision int8 or int4")
+    _check_int4(options)
     if options.calibration_method not in CALIBRATION_METHODS:
         raise UsageError(f"--calibration-method {options.calibration_method!r} is unknown; choose one of "
                          f"{', '.join(CALIBRATION_METHODS)}")
@@ -61,6 +73,41 @@ def _check_options(options: CompileOptions) -> None:
         raise UsageError(f"task {options.task!r} is unknown; choose one of {', '.join(TASKS)}")
 
 
+def _check_int4(options: CompileOptions) -> None:
+    int4_flags = [f for f, on in (("--asym", options.asym),
+                                  ("--lm-head", options.lm_head is not None),
+                                  ("--quant-method", options.quant_method != CompileOptions.quant_method),
+                                  ("--group-size", options.group_size != CompileOptions.group_size)) if on]
+    if int4_flags and options.precision != "int4":
+        raise UsageError(f"{', '.join(int4_flags)} configure INT4; add --precision int4")
+    if options.quant_method not in QUANT_METHODS:
+        raise UsageError(f"--quant-method {options.quant_method!r} is unknown; choose one of {', '.join(QUANT_METHODS)}")
+    g = options.group_size
+    if g != 0 and (g < 16 or g & (g - 1)):
+        raise UsageError(f"--group-size {g}: give a power of two >= 16 (32, 64, 128) or 0 for one group per row")
+    if options.lm_head is not None and options.lm_head not in LM_HEADS:
+        raise UsageError(f"--lm-head {options.lm_head!r} is unknown; choose one of {', '.join(LM_HEADS)}")
+    if options.asym and options.target == "tensorrt":
+        raise UsageError("--asym --target tensorrt: TensorRT takes symmetric INT4 only; drop --asym")
+    if options.gptq_windows < 1:
+        raise UsageError(f"--gptq-windows {options.gptq_windows}: give at least 1 (128 is typical)")
+
+
+def imported_options(ckpt: Checkpoint, options: CompileOptions) -> CompileOptions:
+    """An already-quantized checkpoint compiles to INT4 with its own codes: GPTQ does not run again."""
+    from dataclasses import replace
+
+    info = ckpt.imported or {}
+    if options.precision not in ("fp32", "int4"):
+        raise UsageError(f"{ckpt.source['path']} is already quantized ({info.get('format')}, {info.get('bits')}-bit); "
+                         "compile it without --precision (or with --precision int4)")
+    if options.asym or options.quant_method != CompileOptions.quant_method or options.calibration:
+        raise UsageError(f"{ckpt.source['path']} is already quantized: --asym, --quant-method and --calibration do "
+                         "not apply (its codes are compiled as they are)")
+    group = int(info.get("group_size", 128))
+    return replace(options, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn")
+
+
 def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions | None = None,
             progress: Progress | None = None) -> Path:
     """Compile a Hugging Face checkpoint directory into a verified artifact at ``output``."""
@@ -71,6 +118,12 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
     check_output(output, options.force)
     say(f"load {checkpoint}")
     ckpt = load_checkpoint(checkpoint, options.task)
+    if ckpt.codebook is not None:
+        options = imported_options(ckpt, options)
+        say(f"{ckpt.path.name}: {ckpt.imported['format']} {ckpt.imported['bits']}-bit, group "
+            f"{ckpt.imported['group_size']}: compiled with its own codes (no requantization)")
+    if options.precision == "int4":
+        int8.check_group_size(ckpt, options)
     if ckpt.tokenizer_problem:
         say(f"warning: {ckpt.path}: {ckpt.tokenizer_problem}; the artifact ships no tokenizer and is verified on "
             "random token ids only")
@@ -112,9 +165,10 @@ def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:
 
 
 def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, options: CompileOptions,
-                 ckpt: Checkpoint, say: Progress) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+                 ckpt: Checkpoint, say: Progress,
+                 drivers: list[int8.Driver] | None = None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
     """Run the recipe's stages in order; calibrated stages are built by the INT8 driver from measurements
-    of the graph they receive."""
+    of the graph they receive (the driver is appended to ``drivers`` when given)."""
     record: list[dict[str, Any]] = []
     driver: int8.Driver | None = None
     for name in names:
@@ -122,7 +176,10 @@ def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, op
             record.append({"name": name, "disabled": True, "stats": {}})
             continue
         if STAGES[name].calibrated:
-            driver = driver or int8.Driver(ckpt, facts, options, say)
+            if driver is None:
+                driver = int8.Driver(ckpt, facts, options, say)
+                if drivers is not None:
+                    drivers.append(driver)
             model, rec = driver.run(name, model)
         else:
             model, rec = run_passes(model, [build_pass(name, facts, options)], progress=say)
@@ -131,9 +188,10 @@ def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, op
 
 
 def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOptions, ckpt: Checkpoint,
-             say: Progress, graph: str = "") -> tuple[list[dict[str, Any]], list[str]]:
+             say: Progress, graph: str = "", drivers: list[int8.Driver] | None = None
+             ) -> tuple[list[dict[str, Any]], list[str]]:
     """Replace the traced graph at ``path`` with its optimised form; returns the record and coverage shortfalls."""
-    model, record = apply_recipe(onnx.load(str(path)), names, facts, options, ckpt, say)
+    model, record = apply_recipe(onnx.load(str(path)), names, facts, options, ckpt, say, drivers)
     problems = check_coverage(record, facts, options.allow_partial_fusion, graph)
     for f in path.parent.iterdir():
         if f.name.startswith(path.name):  # the traced graph and its external data
@@ -150,12 +208,13 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
 def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) -> None:
     facts = model_facts(ckpt)
     names = recipe(ckpt.kind, options)
+    drivers: list[int8.Driver] = []
     if ckpt.kind == "seq2seq":
         data = _build_seq2seq(ckpt, facts, names, root, options, say)
     else:
         say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
         trace.export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
-        record, problems = optimise(root / GRAPH, names, facts, options, ckpt, say)
+        record, problems = optimise(root / GRAPH, names, facts, options, ckpt, say, drivers=drivers)
         for problem in problems:
             say(f"warning: {problem} (--allow-partial-fusion)")
         data = manifest_lib.base(ckpt, facts, options, record, *trace.io_specs(ckpt), {"model": GRAPH})
@@ -167,7 +226,8 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
             data["target_info"] = {"min_tensorrt": min_tensorrt(onnx.load(str(root / GRAPH), load_external_data=False))}
     copy_tokenizer(ckpt, root)
     if options.verify:
-        report = verify_artifact(ckpt, root, data, options, say)
+        codes = drivers[0].fake_quantized() if options.precision == "int4" and drivers else None
+        report = verify_artifact(ckpt, root, data, options, say, codes)
         (root / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         data["verification"] = manifest_lib.verification(report, options)
     else:
@@ -200,6 +260,30 @@ def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: 
     return data
 
 
+EXACT_SESSION = {"session.qdq_matmulnbits_accuracy_level": "0"}
+"""ONNX Runtime fuses blocked DequantizeLinear + MatMul into MatMulNBits, by default at accuracy level 4: the
+exact check keeps activations FP32 there too."""
+
+
+def exact_copy(root: Path) -> Path:
+    """A scratch copy of the staged graph with every MatMulNBits at accuracy_level 0 (FP32 activations): it
+    computes exactly what the codes dequantize to, so verification can compare it with the fake-quantized model
+    to float rounding (the shipped kernel also rounds activations to int8 per block)."""
+    out = Path(tempfile.mkdtemp(prefix="kiln-codes-"))
+    for f in root.iterdir():
+        if f.is_file() and not f.name.startswith(GRAPH):
+            shutil.copy2(f, out / f.name)
+    model = onnx.load(str(root / GRAPH))
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for a in node.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
+    onnx.save_model(model, str(out / GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=GRAPH + ".data")
+    return out
+
+
 def copy_tokenizer(ckpt: Checkpoint, root: Path) -> None:
     if ckpt.tokenizer is None:
         return
@@ -211,9 +295,13 @@ def copy_tokenizer(ckpt: Checkpoint, root: Path) -> None:
 
 
 def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options: CompileOptions,
-                    say: Progress) -> dict[str, Any]:
+                    say: Progress, codes: Any = None) -> dict[str, Any]:
     """Parity (and the KV-cache generation check) against eager PyTorch, then latency; raises ParityError
-    with the report kept in a temporary directory, or returns the report."""
+    with the report kept in a temporary directory, or returns the report.
+
+    INT4 (``codes``: the eager model with the quantized weights' dequantized values): the artifact is checked
+    twice, against eager FP32 with INT4's quality floor and against ``codes`` with a tight bound (the packed
+    kernels compute what the solver chose), and the generation check runs against ``codes``."""
     staged = Manifest(root, data)
     if ckpt.kind == "seq2seq":
         say(f"verify generation: {GENERATION_STEPS} greedy steps through encoder + cached decoder vs Hugging Face generate")
@@ -226,18 +314,36 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
         cases = case_lib.text_cases(ckpt, inputs) + case_lib.random_cases(ckpt, inputs, options.verify_max_length,
                                                                           options.seed)
         eager = trace.EagerRunner(ckpt)
-        with kr.open_manifest(staged, threads=options.threads) as artifact:
-            report = verify(eager, artifact, cases, options.precision, say)
-            if report["passed"] and "kv_cache" in data and ckpt.task == "causal-lm":
-                say(f"verify generation: {GENERATION_STEPS} greedy steps through the KV cache vs Hugging Face generate")
-                gen = verify_generation(ckpt.model, artifact, case_lib.generation_prompts(ckpt, options.seed),
-                                        GENERATION_STEPS, options.precision, data["generation"]["pad_token_id"])
-                report["generation"] = gen
-                report["passed"] = gen["passed"]
-            if report["passed"]:
-                say("measure latency (eager vs artifact)")
-                feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
-                report["latency"] = latency(eager, artifact, feeds, options.latency_budget_s)
+        exact_dir = exact_copy(root) if codes is not None else None
+        try:
+            with kr.open_manifest(staged, threads=options.threads) as artifact, \
+                    (kr.open_manifest(Manifest(exact_dir, data), threads=options.threads, session_config=EXACT_SESSION)
+                     if exact_dir
+                     else contextlib.nullcontext()) as exact_artifact:
+                report = verify(eager, artifact, cases, options.precision, say)
+                if codes is not None:
+                    say("verify the codes: the graph with FP32 activations (accuracy_level 0) vs the fake-quantized model")
+                    exact = verify(trace.EagerRunner(dataclasses.replace(ckpt, model=codes)), exact_artifact, cases,
+                                   "int4-codes")
+                    report["codes"] = {k: exact[k] for k in ("tolerance", "summary", "cases", "passed")}
+                    report["passed"] = report["passed"] and exact["passed"]
+                if report["passed"] and "kv_cache" in data and ckpt.task == "causal-lm":
+                    say(f"verify generation: {GENERATION_STEPS} greedy steps through the KV cache vs Hugging Face "
+                        "generate" + (" (the codes: FP32-activation graph vs the fake-quantized model)" if codes else ""))
+                    gen = verify_generation(codes if codes is not None else ckpt.model,
+                                            exact_artifact if codes is not None else artifact,
+                                            case_lib.generation_prompts(ckpt, options.seed), GENERATION_STEPS,
+                                            "int4-codes" if codes is not None else options.precision,
+                                            data["generation"]["pad_token_id"])
+                    report["generation"] = gen
+                    report["passed"] = gen["passed"]
+                if report["passed"]:
+                    say("measure latency (eager vs artifact)")
+                    feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
+                    report["latency"] = latency(eager, artifact, feeds, options.latency_budget_s)
+        finally:
+            if exact_dir is not None:
+                shutil.rmtree(exact_dir, ignore_errors=True)
     report = {"schema_version": SCHEMA_VERSION, "checkpoint": str(ckpt.path),
               "verified_on": manifest_lib.VERIFIED_ON, **report}
     if not report["passed"]:

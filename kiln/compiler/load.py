@@ -6,10 +6,13 @@ import hashlib
 import json
 import logging
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler import gguf
+from kiln.compiler.quantize import gptq_format
 from kiln.compiler.scoped import quiet_transformers
 from kiln.errors import CheckpointError, UnsupportedModelError
 from kiln.runtimes.artifact import sha256_file
@@ -63,6 +66,14 @@ class Checkpoint:
     """The fast tokenizer, or None (then verification uses random ids only)."""
     tokenizer_problem: str | None = None
     """Why a shipped tokenizer was not usable; warned about and recorded in the manifest."""
+    source: dict[str, Any] | None = None
+    """What the user passed when it was not the checkpoint directory itself (a GGUF file: its name and sha256)."""
+    scratch: Any = None
+    """Keeps a converted checkpoint's temporary directory alive as long as the checkpoint."""
+    codebook: Any = None
+    """An already-quantized checkpoint's codes (kiln.passes.quantize_nbits.Codebook): compiled as they are."""
+    imported: dict[str, Any] | None = None
+    """What the quantized checkpoint declared (format, bits, group size, act-order, symmetry)."""
 
     @property
     def kind(self) -> str:
@@ -300,7 +311,21 @@ def load_model(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, A
 
 def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
     path = Path(path)
+    if gguf.is_gguf(path):
+        scratch = tempfile.TemporaryDirectory(prefix="kiln-gguf-")
+        ckpt = load_checkpoint(gguf.convert(path, Path(scratch.name) / "checkpoint"), task)
+        ckpt.source, ckpt.sha256, ckpt.scratch = gguf.source(path), gguf.source(path)["sha256"], scratch
+        return ckpt
     raw = read_config(path)
+    qcfg = gptq_format.quantization_config(path, raw)
+    if qcfg is not None:
+        scratch = tempfile.TemporaryDirectory(prefix="kiln-quantized-")
+        book, info = gptq_format.dequantize_checkpoint(path, raw, qcfg, Path(scratch.name) / "checkpoint")
+        ckpt = load_checkpoint(Path(scratch.name) / "checkpoint", task)
+        ckpt.sha256 = checkpoint_sha256(path)
+        ckpt.source = {"format": info["format"], "path": str(path.absolute()), "sha256": ckpt.sha256}
+        ckpt.scratch, ckpt.codebook, ckpt.imported = scratch, book, info
+        return ckpt
     kind, task, arch = resolve(path, raw, task)
     check_weights(path)
     with quiet_transformers():

@@ -48,7 +48,8 @@ def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: l
             "architecture": ckpt.architecture, "model_type": ckpt.model_type, "kind": ckpt.kind, "task": ckpt.task,
             "max_sequence_length": ckpt.max_length, "vocab_size": int(ckpt.config.vocab_size),
             "num_layers": facts.num_layers, "labels": ckpt.labels, "pooling": ckpt.pooling,
-            "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256},
+            "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256} if ckpt.source is None else
+                      dict(ckpt.source),
         },
         "inputs": [s.to_json() for s in inputs],
         "outputs": [s.to_json() for s in outputs],

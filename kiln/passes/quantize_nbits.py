@@ -17,44 +17,136 @@ Codes are packed low bits first along K into (N, k_blocks, block_size * bits / 8
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
 from kiln.passes.quantize_int8 import matmul_weight, quantizable_matrix
 
 BITS = (4, 8)
+GRIDS = ("signed", "positive", "asym")
+"""signed: symmetric, the block's largest-magnitude weight exact at the most negative code (scale carries the
+sign; ONNX Runtime's RTN grid). positive: symmetric with a positive scale, the smallest that keeps both
+extremes in [-2^(b-1), 2^(b-1)-1] (TensorRT's Q/DQ). asym: min/max with a zero point per block."""
 
 
-def quantize_blocks(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(K, N) float weights -> codes uint8 (N, k_blocks, block_size) and float32 scales (N, k_blocks).
+@dataclass(frozen=True)
+class Quantized:
+    """One weight's codes in the kernel's layout: w[k, n] = (codes[n, j // bs, j % bs] - zero) * scales[n, j // bs]
+    with j the kernel's index of input k (``perm[j] == k`` under act-order, else j == k)."""
 
-    w[k, n] ~= (codes[n, k // bs, k % bs] - 2^(bits-1)) * scales[n, k // bs]; K is zero-padded to whole blocks."""
+    codes: np.ndarray  # uint8 (N, k_blocks, block_size)
+    scales: np.ndarray  # float32 (N, k_blocks)
+    zeros: np.ndarray | None  # uint8 (N, k_blocks); None: 2^(bits-1)
+    bits: int
+    block_size: int
+    k: int
+    perm: np.ndarray | None = None  # int64 (K,): act-order column order
+
+    def dequantize(self) -> np.ndarray:
+        """The (K, N) float32 weights the kernel multiplies by, in the graph's input order."""
+        n = self.codes.shape[0]
+        zero = np.float32(1 << (self.bits - 1)) if self.zeros is None else self.zeros.astype(np.float32)[..., None]
+        w = ((self.codes.astype(np.float32) - zero) * self.scales[..., None]).reshape(n, -1)[:, :self.k]
+        if self.perm is not None:
+            out = np.empty_like(w)
+            out[:, self.perm] = w
+            w = out
+        return np.ascontiguousarray(w.T)
+
+
+def weight_key(w_kn: np.ndarray) -> str:
+    """Identity of a (K, N) FP32 weight as the graph holds it: codes computed elsewhere (GPTQ, an imported
+    checkpoint) are handed to the pass by this key."""
+    a = np.ascontiguousarray(w_kn, dtype=np.float32)
+    return hashlib.sha1(a.tobytes() + str(a.shape).encode()).hexdigest()
+
+
+class Codebook:
+    """Codes computed elsewhere (GPTQ, an imported checkpoint), found again by the FP32 weights they replace:
+    whole, or side by side in a weight a fusion packed (Q, K and V concatenated along N)."""
+
+    def __init__(self) -> None:
+        self.whole: dict[str, Quantized] = {}
+        self.first_column: dict[str, tuple[str, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.whole)
+
+    def add(self, w_kn: np.ndarray, q: Quantized) -> None:
+        key = weight_key(w_kn)
+        self.whole[key] = q
+        self.first_column[weight_key(w_kn[:, :1])] = (key, w_kn.shape[1])
+
+    def find(self, w_kn: np.ndarray) -> Quantized | None:
+        q = self.whole.get(weight_key(w_kn))
+        if q is not None:
+            return q
+        parts, col = [], 0
+        while col < w_kn.shape[1]:
+            key, n = self.first_column.get(weight_key(w_kn[:, col:col + 1]), (None, 0))
+            if key is None or weight_key(w_kn[:, col:col + n]) != key:
+                return None
+            parts.append(self.whole[key])
+            col += n
+        first = parts[0]
+        same = all(p.bits == first.bits and p.block_size == first.block_size and (p.zeros is None) == (first.zeros is None)
+                   and (p.perm is None and first.perm is None or p.perm is not None and first.perm is not None
+                        and np.array_equal(p.perm, first.perm)) for p in parts)
+        if not same:
+            return None
+        return Quantized(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                         None if first.zeros is None else np.concatenate([p.zeros for p in parts]),
+                         first.bits, first.block_size, first.k, first.perm)
+
+
+def rtn(w: np.ndarray, bits: int, block_size: int, grid: str = "signed") -> Quantized:
+    """Round-to-nearest of a (K, N) weight on ``grid``; K zero-padded to whole blocks (block 0: one per row,
+    padded to a power of two)."""
     k, n = w.shape
+    block_size = block_size or 1 << max(4, (k - 1).bit_length())
     blocks = -(-k // block_size)
     wt = np.zeros((n, blocks * block_size), np.float64)
     wt[:, :k] = w.T
     wt = wt.reshape(n, blocks, block_size)
-    mid = 1 << (bits - 1)
-    idx = np.abs(wt).argmax(-1)
-    extreme = np.take_along_axis(wt, idx[..., None], -1)[..., 0]  # signed value of the largest-magnitude weight
-    scale = extreme / -mid
-    scale[scale == 0] = 1.0  # an all-zero block stays exactly zero
-    codes = np.clip(np.rint(wt / scale[..., None]) + mid, 0, (1 << bits) - 1).astype(np.uint8)
-    return codes, scale.astype(np.float32)
+    top, mid = (1 << bits) - 1, 1 << (bits - 1)
+    zeros = None
+    if grid == "signed":
+        idx = np.abs(wt).argmax(-1)
+        scale = np.take_along_axis(wt, idx[..., None], -1)[..., 0] / -mid  # signed value of the largest weight
+        zero = np.float64(mid)
+    elif grid == "positive":
+        scale = np.maximum(-wt.min(-1) / mid, wt.max(-1) / (mid - 1))
+        zero = np.float64(mid)
+    else:
+        lo, hi = np.minimum(wt.min(-1), 0), np.maximum(wt.max(-1), 0)
+        scale = (hi - lo) / top
+        safe = np.where(scale == 0, 1.0, scale)
+        zeros = np.clip(np.rint(-lo / safe), 0, top).astype(np.uint8)
+        zero = zeros.astype(np.float64)[..., None]
+    scale = np.where(scale == 0, 1.0, scale)  # an all-zero block stays exactly zero
+    codes = np.clip(np.rint(wt / scale[..., None]) + zero, 0, top).astype(np.uint8)
+    return Quantized(codes, scale.astype(np.float32), zeros, bits, block_size, k)
+
+
+def quantize_blocks(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N) float weights -> codes uint8 (N, k_blocks, block_size) and float32 scales (N, k_blocks), signed grid."""
+    q = rtn(w, bits, block_size)
+    return q.codes, q.scales
 
 
 def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, bits: int, k: int) -> np.ndarray:
     """The (K, N) weights the kernel multiplies by: the inverse of ``quantize_blocks``."""
-    n = codes.shape[0]
-    w = (codes.astype(np.float32) - (1 << (bits - 1))) * scales[..., None]
-    return w.reshape(n, -1)[:, :k].T
+    return Quantized(codes, scales, None, bits, codes.shape[-1], k).dequantize()
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes (N, k_blocks, block_size) -> bytes (N, k_blocks, block_size * bits / 8), low bits first."""
+    """uint8 codes (..., m) -> bytes (..., m * bits / 8), low bits first (m even for 4 bits)."""
     if bits == 8:
         return codes
     lo, hi = codes[..., 0::2], codes[..., 1::2]
@@ -67,6 +159,28 @@ def unpack(blob: np.ndarray, bits: int) -> np.ndarray:
     out = np.empty(blob.shape[:-1] + (blob.shape[-1] * 2,), np.uint8)
     out[..., 0::2], out[..., 1::2] = blob & 0x0F, blob >> 4
     return out
+
+
+def pack_zeros(zeros: np.ndarray, bits: int) -> np.ndarray:
+    """Zero points (N, k_blocks) as MatMulNBits / GatherBlockQuantized read them: 4-bit pairs per byte, padded."""
+    if bits == 8:
+        return zeros
+    if zeros.shape[-1] % 2:
+        zeros = np.concatenate([zeros, np.full(zeros.shape[:-1] + (1,), 8, np.uint8)], -1)
+    return pack(zeros, bits)
+
+
+def int_tensor(name: str, values: np.ndarray, bits: int) -> onnx.TensorProto:
+    """A signed INT4 (two values a byte, low nibble first, row-major) or INT8 initializer from int8 values."""
+    t = onnx.TensorProto(name=name, dims=list(values.shape))
+    if bits == 8:
+        t.data_type, t.raw_data = TensorProto.INT8, values.astype(np.int8).tobytes()
+        return t
+    flat = (values.astype(np.int8).reshape(-1) & 0x0F).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    t.data_type, t.raw_data = TensorProto.INT4, pack(flat, 4).tobytes()
+    return t
 
 
 def blockwise_weight(g: Graph, node: onnx.NodeProto, min_elements: int) -> np.ndarray | None:
@@ -90,23 +204,46 @@ def weights(model: onnx.ModelProto, min_elements: int = 1024) -> list[str]:
 
 
 class QuantizeBlockwise(Pass):
-    """Weights -> ``MatMulNBits`` (``bits`` 4 or 8, one scale per ``block_size`` inputs of each column)."""
+    """Weights -> ``MatMulNBits`` (``bits`` 4 or 8, one scale per ``block_size`` inputs of each column), or on
+    the ``dequantize`` form (TensorRT) blocked ``DequantizeLinear`` (opset 21) feeding the MatMul.
+
+    ``given``: codes computed elsewhere (GPTQ, an imported checkpoint), packed as they are.
+    Other weights are rounded to nearest on ``grid``. ``head_bits``: the lm_head (the MatMul whose output is a
+    graph output, or whose weight is the transpose of the embedding table): None as the rest, 0 keeps FP32.
+    ``embedding_bits``: the token-embedding Gather's table -> ``GatherBlockQuantized`` (0: kept FP32; CPU form)."""
 
     name = "quantize-nbits"
 
     def __init__(self, bits: int = 8, block_size: int = 32, accuracy_level: int = 4, keep_fp32: tuple[str, ...] = (),
-                 min_elements: int = 1024) -> None:
-        if bits not in BITS or block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(f"MatMulNBits takes bits {BITS} and a power-of-two block size >= 16 "
-                             f"(got {bits} bits, block {block_size})")
+                 min_elements: int = 1024, grid: str = "signed", given: Codebook | None = None,
+                 head_bits: int | None = None, head_block_size: int = 32, embedding_bits: int = 0,
+                 form: str = "matmulnbits", promote_int8: tuple[str, ...] = ()) -> None:
+        for b, bs in ((bits, block_size), (head_bits or bits, head_block_size)):
+            if b not in BITS or (bs != 0 and (bs < 16 or bs & (bs - 1))):
+                raise ValueError(f"MatMulNBits takes bits {BITS} and a power-of-two block size >= 16 "
+                                 f"(or 0: one block per row; got {b} bits, block {bs})")
+        if grid not in GRIDS or form not in ("matmulnbits", "dequantize") or embedding_bits not in (0, *BITS):
+            raise ValueError(f"grid {grid!r} / form {form!r} / embedding bits {embedding_bits} unknown")
+        if form == "dequantize" and grid != "positive":
+            raise ValueError("the DequantizeLinear form takes the positive symmetric grid only (TensorRT)")
         self.bits, self.block_size, self.accuracy_level = bits, block_size, accuracy_level
-        self.keep_fp32 = set(keep_fp32)
-        self.min_elements = min_elements
+        self.keep_fp32, self.promote_int8 = set(keep_fp32), set(promote_int8)
+        self.min_elements, self.grid, self.form = min_elements, grid, form
+        self.given = given if given is not None else Codebook()
+        self.head_bits, self.head_block_size, self.embedding_bits = head_bits, head_block_size, embedding_bits
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
-        stats = {"quantized": 0, "kept_fp32": 0, "bits": self.bits, "block_size": self.block_size}
+        stats = {"quantized": 0, "kept_fp32": 0, "bits": self.bits, "block_size": self.block_size, "grid": self.grid,
+                 "given": 0, "act_order_gathers": 0, "head": None, "embedding": None}
         skipped = []
+        opset = next((o.version for o in g.model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if self.form == "dequantize" and opset < 21:
+            return PassResult(g.model, False, stats, [Reason("graph", f"opset {opset}: blocked DequantizeLinear needs "
+                                                                     "opset 21 or later (compile with --opset 21+)")])
+        tables = self._tables(g)
+        outputs = {o.name for o in g.g.output}
+        plans = []  # (matmul, (K, N) weight, Quantized): every decision before the first change
         for handle in g.nodes_of("MatMul"):
             mm = g.node(handle)
             where = mm.name or handle
@@ -119,15 +256,86 @@ class QuantizeBlockwise(Pass):
                 stats["kept_fp32"] += 1
                 skipped.append(Reason(where, f"weight {mm.input[1]} kept in FP32 (accuracy budget)"))
                 continue
-            codes, scales = quantize_blocks(w, self.bits, self.block_size)
-            inputs = [mm.input[0], g.add_initializer(f"{mm.input[1]}_q{self.bits}", pack(codes, self.bits)),
-                      g.add_initializer(f"{mm.input[1]}_scales", scales)]
-            node = helper.make_node("MatMulNBits", inputs, [mm.output[0]], name=g.fresh("MatMulNBits"), domain=MS_DOMAIN,
-                                    K=int(w.shape[0]), N=int(w.shape[1]), bits=self.bits, block_size=self.block_size,
-                                    accuracy_level=self.accuracy_level)
-            g.replace_nodes([mm], [node])
+            tr = g.producer.get(mm.input[1])
+            head = mm.output[0] in outputs or (tr is not None and tr.op_type == "Transpose" and tr.input[0] in tables)
+            q = None if mm.input[1] in self.promote_int8 else self.given.find(w)
+            if mm.input[1] in self.promote_int8:
+                q = rtn(w, 8, 32, self.grid)
+                stats["promoted_int8"] = stats.get("promoted_int8", 0) + 1
+            elif q is not None:
+                stats["given"] += 1
+            elif head and self.head_bits is not None:
+                if self.head_bits == 0:
+                    stats["kept_fp32"] += 1
+                    stats["head"] = "fp32"
+                    skipped.append(Reason(where, "lm_head kept in FP32 (--lm-head fp32)"))
+                    continue
+                q = rtn(w, self.head_bits, self.head_block_size, self.grid)
+            else:
+                q = rtn(w, self.bits, self.block_size, self.grid)
+                stats["rounded"] = stats.get("rounded", 0) + 1
+            if head:
+                stats["head"] = f"int{q.bits}"
+            if self.form == "dequantize" and q.zeros is not None:
+                raise ValueError(f"{where}: the DequantizeLinear form takes symmetric codes only")
+            plans.append((mm, w, q))
+        embeds = []
+        if self.embedding_bits and self.form == "matmulnbits":
+            embeds = [(node, g.constant(node.input[0])) for node in tables.values()]
+        for mm, w, q in plans:
+            g.replace_nodes([mm], self._lower(g, mm, q, stats))
             stats["quantized"] += 1
-        if stats["quantized"]:
+        for node, table in embeds:
+            q = rtn(table.T, self.embedding_bits, self.head_block_size, "signed")
+            data = pack(q.codes, q.bits).reshape(q.codes.shape[0], -1)
+            new = helper.make_node("GatherBlockQuantized", [g.add_initializer(f"{node.input[0]}_q{q.bits}", data),
+                                   node.input[1], g.add_initializer(f"{node.input[0]}_scales", q.scales)],
+                                   list(node.output), name=g.fresh("GatherBlockQuantized"), domain=MS_DOMAIN,
+                                   bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+            g.replace_nodes([node], [new])
+            stats["embedding"] = f"int{q.bits}"
+        if plans or embeds:
             g.ensure_opset(MS_DOMAIN, 1)
             g.prune()
-        return PassResult(g.model, stats["quantized"] > 0, stats, skipped)
+        return PassResult(g.model, bool(plans or embeds), stats, skipped)
+
+    def _tables(self, g: Graph) -> dict[str, onnx.NodeProto]:
+        """Token-embedding Gathers: a constant 2-D FP32 table read at a graph input's indices along axis 0."""
+        out = {}
+        inputs = {i.name for i in g.g.input}
+        for handle in g.nodes_of("Gather"):
+            node = g.node(handle)
+            table = g.constant(node.input[0])
+            if attr(node, "axis", 0) == 0 and node.input[1] in inputs and quantizable_matrix(table, self.min_elements):
+                out[node.input[0]] = node
+        return out
+
+    def _lower(self, g: Graph, mm: onnx.NodeProto, q: Quantized, stats: dict) -> list[onnx.NodeProto]:
+        base = mm.input[1]
+        n = q.codes.shape[0]
+        x = mm.input[0]
+        nodes = []
+        if q.perm is not None:  # act-order: the kernel reads the inputs in the solver's column order
+            perm = g.add_initializer(f"{base}_perm", q.perm.astype(np.int64))
+            x = g.fresh(f"{base}_reordered")
+            nodes.append(helper.make_node("Gather", [mm.input[0], perm], [x], name=g.fresh("Gather"), axis=-1))
+            stats["act_order_gathers"] += 1
+        if self.form == "dequantize":
+            # (K, N) signed int values along K in blocks: DequantizeLinear(axis 0, block_size), then the MatMul
+            vals = (q.codes.astype(np.int16) - (1 << (q.bits - 1))).reshape(n, -1)[:, :q.k].T
+            name = g.fresh(f"{base}_int{q.bits}")
+            g.g.initializer.append(int_tensor(name, vals.astype(np.int8), q.bits))
+            scales = g.add_initializer(f"{base}_scales", np.ascontiguousarray(q.scales.T))
+            deq = g.fresh(f"{base}_dequantized")
+            nodes += [helper.make_node("DequantizeLinear", [name, scales], [deq], name=g.fresh("DequantizeLinear"),
+                                       axis=0, block_size=q.block_size),
+                      helper.make_node("MatMul", [x, deq], [mm.output[0]], name=mm.name or g.fresh("MatMul"))]
+            return nodes
+        inputs = [x, g.add_initializer(f"{base}_q{q.bits}", pack(q.codes, q.bits)),
+                  g.add_initializer(f"{base}_scales", q.scales)]
+        if q.zeros is not None:
+            inputs.append(g.add_initializer(f"{base}_zero_points", pack_zeros(q.zeros, q.bits)))
+        nodes.append(helper.make_node("MatMulNBits", inputs, [mm.output[0]], name=g.fresh("MatMulNBits"),
+                                      domain=MS_DOMAIN, K=int(q.k), N=int(n), bits=q.bits, block_size=q.block_size,
+                                      accuracy_level=self.accuracy_level))
+        return nodes

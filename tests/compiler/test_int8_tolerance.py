@@ -4,7 +4,6 @@ passes, the same artifact with one layer's weight scales doubled or with 2-bit w
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import onnx
@@ -12,10 +11,9 @@ import pytest
 from onnx import numpy_helper
 
 import kiln.runtimes as kr
-from conftest import fast_options, minilm_path
+from conftest import fast_options, minilm_path, planted
 from kiln.compiler import compile, trace
 from kiln.compiler.load import load_checkpoint
-from kiln.compiler.manifest import write as write_manifest
 from kiln.compiler.verify import cases
 from kiln.compiler.verify.parity import TOLERANCES, verify
 
@@ -64,14 +62,7 @@ def two_bit(model: onnx.ModelProto) -> None:
 
 
 def reverify(ckpt_path, artifact, tmp_path, mutate) -> dict:
-    out = tmp_path / "planted"
-    shutil.copytree(artifact, out)
-    model = onnx.load(str(out / "model.onnx"))
-    mutate(model)
-    onnx.save(model, str(out / "model.onnx"))
-    data = json.loads((out / "manifest.json").read_text())
-    data.pop("files")
-    write_manifest(out, data)
+    out = planted(artifact, tmp_path, mutate)
     ckpt = load_checkpoint(ckpt_path)
     inputs = [s.name for s in trace.io_specs(ckpt)[0]]
     feeds = cases.text_cases(ckpt, inputs) + cases.random_cases(ckpt, inputs, 128, 0)
@@ -82,7 +73,9 @@ def reverify(ckpt_path, artifact, tmp_path, mutate) -> dict:
 def test_default_int8_passes_with_margin(int8_artifact):
     _, out = int8_artifact
     report = json.loads((out / "report.json").read_text())
-    assert report["passed"] and report["tolerance"] == {"abs_factor": 5e-2, "min_top1": 0.95, "min_cosine": 0.98}
+    tol = report["tolerance"]
+    assert report["passed"] and (tol["abs_factor"], tol["min_top1"], tol["min_cosine"]) == (5e-2, 0.95, 0.98)
+    assert not tol["centered_logits"] and tol["min_mean_cosine"] is None  # INT8 keeps its uncentred worst-row bound
     for name, s in report["summary"].items():
         assert s["cosine_min"] >= 0.99, (name, s)  # measured 0.9936 / 0.99994: the bound is not at the edge
 

@@ -8,7 +8,18 @@ from graphs import op_types, run_unoptimised
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes import run_passes
-from kiln.passes.quantize_nbits import QuantizeBlockwise, dequantize_blocks, pack, quantize_blocks, unpack
+from kiln.passes.quantize_nbits import (
+    Codebook,
+    Quantized,
+    QuantizeBlockwise,
+    dequantize_blocks,
+    int_tensor,
+    pack,
+    pack_zeros,
+    quantize_blocks,
+    rtn,
+    unpack,
+)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -78,10 +89,9 @@ def test_kept_weight_second_run_and_bad_settings():
         QuantizeBlockwise(block_size=48)
 
 
-def test_tied_head_through_a_transpose_is_quantized():
-    """MatMul(h, Transpose(E)) with E also read by the embedding Gather: the head is quantized, E stays."""
-    rng = np.random.default_rng(0)
-    e = rng.standard_normal((40, 32)).astype(np.float32)  # (vocab, hidden)
+def tied_graph(seed: int):
+    """Embedding Gather and a tied head, MatMul(h, Transpose(E)), reading one (vocab 40, hidden 32) table."""
+    e = np.random.default_rng(seed).standard_normal((40, 32)).astype(np.float32)
     g = helper.make_graph([helper.make_node("Gather", ["E", "ids"], ["h"]),
                            helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]),
                            helper.make_node("MatMul", ["h", "Et"], ["logits"], name="head")],
@@ -90,8 +100,138 @@ def test_tied_head_through_a_transpose_is_quantized():
                           [numpy_helper.from_array(e, "E")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
+    return model, e
+
+
+def test_tied_head_through_a_transpose_is_quantized():
+    """MatMul(h, Transpose(E)) with E also read by the embedding Gather: the head is quantized, E stays."""
+    model, e = tied_graph(0)
     out, record = run_passes(model, [QuantizeBlockwise(bits=8, block_size=16, accuracy_level=0)])
     assert record[0]["stats"]["quantized"] == 1 and op_types(out) == ["Gather", "MatMulNBits"]
     ids = np.array([[0, 5, 39]], np.int64)
     wq = dequantize_blocks(*quantize_blocks(e.T, 8, 16), 8, 32)
     np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], e[ids] @ wq, rtol=1e-4, atol=1e-4)
+
+
+# --- INT4: grids, formats, codes handed in, act-order, the DequantizeLinear (TensorRT) form ---------------------
+
+
+@pytest.mark.parametrize("grid", ["signed", "positive", "asym"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_grid_round_trips_and_bounds_the_error(grid, bits):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((70, 6)).astype(np.float32)
+    q = rtn(w, bits, 32, grid)
+    back = q.dequantize()
+    assert q.codes.max() < 2 ** bits and (q.zeros is None) == (grid != "asym")
+    step = np.repeat(np.abs(q.scales), 32, axis=1)[:, :70].T
+    assert np.all(np.abs(back - w) <= step + 1e-6)
+    if grid == "positive":
+        assert np.all(q.scales > 0)  # TensorRT's DequantizeLinear takes positive scales
+    np.testing.assert_array_equal(unpack(pack(q.codes, bits), bits), q.codes)
+
+
+def test_zero_points_pack_two_per_byte_with_odd_block_counts():
+    z = np.arange(15, dtype=np.uint8).reshape(5, 3) % 16
+    packed = pack_zeros(z, 4)
+    assert packed.shape == (5, 2)
+    np.testing.assert_array_equal(unpack(packed, 4)[:, :3], z)
+    assert pack_zeros(z, 8) is z
+
+
+def int4_values(t) -> np.ndarray:
+    """Signed INT4 initializer -> int8 values, read straight from the format description (two's complement
+    nibbles, low nibble first, row-major)."""
+    raw = np.frombuffer(t.raw_data, np.uint8)
+    nib = np.empty(raw.size * 2, np.uint8)
+    nib[0::2], nib[1::2] = raw & 0x0F, raw >> 4
+    vals = nib[:int(np.prod(t.dims))].astype(np.int8)
+    return np.where(vals > 7, vals - 16, vals).reshape(tuple(t.dims))
+
+
+def test_int4_initializer_matches_the_format_description():
+    vals = np.array([[-8, 7, 0], [1, -1, 5]], np.int8)
+    t = int_tensor("w", vals, 4)
+    assert t.data_type == TensorProto.INT4
+    np.testing.assert_array_equal(int4_values(t), vals)
+    np.testing.assert_array_equal(numpy_helper.to_array(t).astype(np.int8), vals)  # onnx reads the same values
+
+
+def fake_quantized_layer(x: np.ndarray, q: Quantized) -> np.ndarray:
+    """The torch layer a solver's codes stand for: a Linear with the dequantized weight."""
+    import torch
+
+    lin = torch.nn.Linear(q.k, q.codes.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(q.dequantize().T))
+        return lin(torch.from_numpy(x)).numpy()
+
+
+@pytest.mark.parametrize("form,grid", [("matmulnbits", "signed"), ("matmulnbits", "asym"), ("dequantize", "positive")])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_lowered_graph_equals_the_fake_quantized_layer(form, grid, act_order):
+    """Codes handed in (as GPTQ hands them) are packed as they are: MatMulNBits (accuracy level 0) and blocked
+    DequantizeLinear + MatMul equal the fake-quantized torch layer to 1e-5; act-order reads inputs through a Gather."""
+    rng = np.random.default_rng(4)
+    k, n = 80, 48  # K not a multiple of the block: padded
+    model, w = matmul_graph(k=k, n=n)
+    model.opset_import[0].version = 21
+    q = rtn(w, 4, 16, grid)
+    if act_order:
+        perm = rng.permutation(k)
+        p = rtn(w[perm], 4, 16, grid)
+        q = Quantized(p.codes, p.scales, p.zeros, 4, 16, k, perm)
+    book = Codebook()
+    book.add(w, q)
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, accuracy_level=0, grid=grid,
+                                                       given=book, form=form)])
+    stats = record[0]["stats"]
+    assert stats["given"] == 1 and stats["act_order_gathers"] == int(act_order)
+    ops = op_types(out)
+    assert ("MatMulNBits" in ops) == (form == "matmulnbits") and ("DequantizeLinear" in ops) == (form == "dequantize")
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    y_t = rng.standard_normal((2, n, 3)).astype(np.float32)
+    h = np.maximum(fake_quantized_layer(x, q), 0)
+    got = run_unoptimised(out, {"x": x, "y_t": y_t})[0]
+    np.testing.assert_allclose(got, h @ y_t, rtol=1e-5, atol=1e-5 * np.abs(h @ y_t).max())
+
+
+def test_codebook_finds_codes_inside_a_packed_weight():
+    """Q, K and V solved separately, then packed by the attention fusion along N: found and concatenated."""
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal((64, n)).astype(np.float32) for n in (32, 16, 16)]
+    book = Codebook()
+    qs = [rtn(p, 4, 32) for p in parts]
+    for p, q in zip(parts, qs):
+        book.add(p, q)
+    packed = np.concatenate(parts, 1)
+    got = book.find(packed)
+    np.testing.assert_array_equal(got.dequantize(), np.concatenate([q.dequantize() for q in qs], 1))
+    assert book.find(packed[:, ::-1].copy()) is None and book.find(parts[0] + 1) is None
+
+
+def test_embedding_table_and_head_precision():
+    """The embedding Gather's table -> GatherBlockQuantized; the tied head kept FP32 when asked (head_bits 0)."""
+    model, e = tied_graph(6)
+    ids = np.array([[0, 5, 39]], np.int64)
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=0, embedding_bits=8,
+                                                       accuracy_level=0)])
+    assert sorted(op_types(out)) == ["GatherBlockQuantized", "MatMul", "Transpose"]
+    assert record[0]["stats"]["head"] == "fp32" and record[0]["stats"]["embedding"] == "int8"
+    table = rtn(e.T, 8, 32).dequantize().T
+    np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[ids] @ e.T, rtol=1e-5, atol=1e-4)
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=8, embedding_bits=4,
+                                                       accuracy_level=0)])
+    assert op_types(out) == ["GatherBlockQuantized", "MatMulNBits"] and record[0]["stats"]["head"] == "int8"
+    table = rtn(e.T, 4, 32).dequantize().T
+    np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[ids] @ rtn(e.T, 8, 32).dequantize(),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_dequantize_form_needs_opset_21_and_symmetric_codes():
+    model, w = matmul_graph()
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, grid="positive", form="dequantize")])
+    assert record[0]["modified"] is False and "opset 21" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == model.SerializeToString()
+    with pytest.raises(ValueError, match="positive"):
+        QuantizeBlockwise(bits=4, grid="asym", form="dequantize")

@@ -95,7 +95,8 @@ def compare_steps(teacher_forced: Callable[[], Iterator[np.ndarray]], ref_logits
             top = np.sort(r, -1)
             decisive = (top[:, -1] - top[:, -2]) > a
             decisive_n += int(decisive.sum())
-            cos_min = min(cos_min, float(metrics.row_cosines(r, logits).min()))
+            pair = (metrics.centered(r), metrics.centered(logits)) if tol.centered_logits else (r, logits)
+            cos_min = min(cos_min, float(metrics.row_cosines(*pair).min()))
             differs = logits.argmax(-1) != ref_next[:, t]
             ties += int((differs & ~decisive).sum())
             wrong += [(t, int(b)) for b in np.flatnonzero(differs & decisive)]

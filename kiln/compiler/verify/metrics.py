@@ -19,6 +19,11 @@ def row_cosines(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
     return np.where(both_zero, 1.0, cos)
 
 
+def centered(rows: np.ndarray) -> np.ndarray:
+    """Each row minus its mean (logits: the softmax is unchanged by a shift)."""
+    return rows - rows.mean(-1, keepdims=True)
+
+
 def min_cosine(ref: np.ndarray, got: np.ndarray) -> float | None:
     """The worst row's cosine; None when there are no rows."""
     if len(ref) == 0:

@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,6 +37,16 @@ class Tolerance:
     min_cosine: float | None = None
     """When set (quantized precisions), rows must reach this cosine similarity instead of the abs bound;
     the abs bound then only decides which logit positions are decisive for top-1."""
+    min_mean_cosine: float | None = None
+    """When set, the mean row cosine of each output and text case must reach it as well: INT4's worst row is
+    noisy (SmolLM2-135M GPTQ group 128: one 7-token text's worst row 0.73, its mean far higher), its mean is not."""
+    random_min_cosine: float | None = None
+    """When set, random-id cases need only this cosine (text cases the full ``min_cosine``): a weight-only INT4
+    solver is fitted to text, and random ids at full length sit far outside it (all-MiniLM-L6-v2 GPTQ group 32:
+    held-out sentences min 0.985, random 3x512 ids 0.79)."""
+    centered_logits: bool = False
+    """Logit rows are compared after subtracting each row's mean: a constant shift leaves the softmax unchanged
+    but swings an uncentered cosine (SmolLM2 INT4 RTN: a row at cosine -0.001 uncentered, 0.76 centered)."""
 
 
 # INT8, measured with the default --precision int8: all-MiniLM-L6-v2 worst token-row cosine 0.9936 (sentence
@@ -46,6 +56,13 @@ class Tolerance:
 TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(abs_factor=1e-4, min_top1=1.0),
     "int8": Tolerance(abs_factor=5e-2, min_top1=0.95, min_cosine=0.98),
+    # INT4 against eager FP32: the quality floor (what 4 bits cost a small model; SmolLM2-135M GPTQ group 128:
+    # worst row 0.73, mean 0.89 on a 7-token text; the held-out perplexity and the budget say more). The codes:
+    # the graph with FP32 activations (accuracy_level 0) against the fake-quantized eager model, to float
+    # rounding: the packed kernels compute what the solver chose (planted bugs: tests/compiler/test_int4.py)
+    "int4": Tolerance(abs_factor=1e-1, min_top1=0.80, min_cosine=0.5, min_mean_cosine=0.85, random_min_cosine=0.3,
+                      centered_logits=True),
+    "int4-codes": Tolerance(abs_factor=1e-3, min_top1=1.0),
 }
 
 
@@ -78,11 +95,15 @@ def compare_output(name: str, ref: np.ndarray, got: np.ndarray, mask: np.ndarray
     scale = max(1.0, float(np.abs(r).max()))
     atol = tol.abs_factor * scale
     max_abs = float(diff.max())
-    cos_min = metrics.min_cosine(r, g)
+    pair = (metrics.centered(r), metrics.centered(g)) if name == "logits" and tol.centered_logits else (r, g)
+    cosines = metrics.row_cosines(*pair)
+    cos_min = float(cosines.min())
     out: dict[str, Any] = {
         "compared": int(r.shape[0]), "max_abs": max_abs, "atol": atol,
         "max_rel": float((diff / (np.abs(r) + 1e-6 * scale)).max()), "cosine_min": cos_min,
-        "passed": max_abs <= atol if tol.min_cosine is None else cos_min >= tol.min_cosine,
+        "cosine_mean": float(cosines.mean()), "cosine_bound": tol.min_cosine, "mean_bound": tol.min_mean_cosine,
+        "passed": max_abs <= atol if tol.min_cosine is None else bool(
+            cos_min >= tol.min_cosine and (tol.min_mean_cosine is None or cosines.mean() >= tol.min_mean_cosine)),
     }
     if name == "logits" and r.shape[1] > 1:
         t = metrics.top1(r, g, atol)
@@ -104,7 +125,9 @@ def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: s
         ref = reference.run(case.feeds)
         got = candidate.run(case.feeds)
         mask = case.feeds.get("attention_mask")
-        outputs = {n: compare_output(n, ref[n], got[n], mask, tol) for n in ref}
+        case_tol = tol if case.source != "random" or tol.random_min_cosine is None else \
+            replace(tol, min_cosine=tol.random_min_cosine, min_mean_cosine=None)
+        outputs = {n: compare_output(n, ref[n], got[n], mask, case_tol) for n in ref}
         shape = list(case.feeds["input_ids"].shape)
         verdicts = [o["passed"] for o in outputs.values() if o["passed"] is not None]
         results.append({"name": case.name, "source": case.source, "shape": shape, "outputs": outputs,
@@ -132,7 +155,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if not o.get("compared"):
                 continue
             w["compared"] += o["compared"]
-            for key, pick in (("max_abs", max), ("max_rel", max), ("cosine_min", min), ("top1_agreement", min)):
+            for key, pick in (("max_abs", max), ("max_rel", max), ("cosine_min", min), ("cosine_mean", min),
+                              ("top1_agreement", min)):
                 if o.get(key) is not None:
                     w[key] = pick(w[key], o[key]) if key in w else o[key]
     return worst
@@ -148,21 +172,25 @@ def failures(report: dict[str, Any]) -> list[str]:
         out.append(f"greedy generation: {len(gen['wrong_tokens'])} wrong decisive token(s) (first {gen['wrong_tokens'][:1]}), "
                    f"step logits at {gen['max_abs_over_atol']:.3g}x the tolerance, cosine min {gen['cosine_min']:.4f}, "
                    f"tokens identical {gen['tokens_identical']}")
-    min_cos = report.get("tolerance", {}).get("min_cosine")
     for name in report.get("uncompared_outputs", []):
         out.append(f"output {name}: no case compared a single real-token row")
-    for r in report["cases"]:
+    cases = [(r, "") for r in report["cases"]] + \
+        [(r, " vs the fake-quantized model") for r in (report.get("codes") or {}).get("cases", [])]
+    for r, against in cases:
         for name, o in r["outputs"].items():
             if o["passed"] is not False:
                 continue
+            where = f"{r['name']} {name}{against}"
             if "error" in o:
-                out.append(f"{r['name']} {name}: {o['error']}")
-            elif min_cos is not None and o["cosine_min"] < min_cos:
-                out.append(f"{r['name']} {name}: row cosine {o['cosine_min']:.4f} < {min_cos}")
-            elif min_cos is None and o["max_abs"] > o["atol"]:
-                out.append(f"{r['name']} {name}: max abs error {o['max_abs']:.3g} > {o['atol']:.3g}")
+                out.append(f"{where}: {o['error']}")
+            elif o.get("cosine_bound") is not None and o["cosine_min"] < o["cosine_bound"]:
+                out.append(f"{where}: row cosine {o['cosine_min']:.4f} < {o['cosine_bound']}")
+            elif o.get("mean_bound") is not None and o["cosine_mean"] < o["mean_bound"]:
+                out.append(f"{where}: mean row cosine {o['cosine_mean']:.4f} < {o['mean_bound']}")
+            elif o.get("cosine_bound") is None and o["max_abs"] > o["atol"]:
+                out.append(f"{where}: max abs error {o['max_abs']:.3g} > {o['atol']:.3g}")
             else:
-                out.append(f"{r['name']} {name}: top-1 agreement {o['top1_agreement']:.2%}")
+                out.append(f"{where}: top-1 agreement {o['top1_agreement']:.2%}")
     return out
 
 

@@ -1,0 +1,193 @@
+"""Decoder INT4 and INT8 on a real model, side by side in one run: SmolLM2-135M-Instruct (real weights,
+``tools/reference_models.py smollm2``), kiln FP32 / INT8 / INT4 against ONNX Runtime's INT4 quantizer.
+
+    python tools/bench_int4.py [--work DIR] [--rounds 5] [--threads 2] [--only ppl|speed]
+
+Accuracy: held-out perplexity (the last 7% of Python's pydoc topics, 40 windows of 128 tokens; GPTQ calibrates
+on the other 93%). Anchor for accuracy: ``MatMulNBitsQuantizer`` (round-to-nearest, symmetric, block 128) on
+kiln's own FP32 graph, so only the quantizer differs (its lm_head, a MatMul on the embedding's transpose, stays
+FP32 as the anchor leaves it). Anchor for speed: optimum's export + ``MatMulNBitsQuantizer`` block 32
+(accuracy level 4), ``ORTModelForCausalLM.generate`` in its own virtual environment (``make anchor-venv``).
+Decode: batch 1, 64-token prompt, 64 new tokens, greedy, median of alternating rounds (prefill-only calls
+subtracted). Artifacts are compiled by the kiln CLI in child processes, so no torch runs in this process
+while it times ONNX Runtime sessions. Sizes: every file of the artifact directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_decoder import Anchor  # noqa: E402
+from bench_encoder import SESSION_CONFIG, cpu_name  # noqa: E402
+from eval_perplexity import perplexity  # noqa: E402
+
+VARIANTS = {
+    "fp32": [],
+    "int8": ["--precision", "int8"],
+    # round-to-nearest: built unverified, only its perplexity is measured
+    "int4 rtn g128 head fp32": ["--precision", "int4", "--quant-method", "rtn", "--group-size", "128",
+                                "--lm-head", "fp32", "--no-verify"],
+    "int4 gptq g128 head fp32": ["--precision", "int4", "--group-size", "128", "--lm-head", "fp32",
+                                 "--calibration", "{cal}"],
+    "int4 (default)": ["--precision", "int4", "--calibration", "{cal}"],
+}
+
+
+def size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+
+
+def compile_variant(ckpt: Path, out: Path, flags: list[str], threads: int) -> float:
+    if (out / "manifest.json").is_file():
+        return float("nan")
+    cal = str(ckpt / "calibration.txt")
+    cmd = [sys.executable, "-m", "kiln.cli", "compile", str(ckpt), "-o", str(out), "--threads", str(threads), "-q",
+           "--max-length", "512", *[f.replace("{cal}", cal) for f in flags]]
+    print("$ kiln " + " ".join(cmd[3:]), file=sys.stderr)
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t
+
+
+def anchor_rtn(fp32: Path, out: Path, block: int) -> Path:
+    """ONNX Runtime's INT4 quantizer on kiln's FP32 graph, as an artifact (manifest re-hashed)."""
+    if (out / "manifest.json").is_file():
+        return out
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime").setLevel(logging.WARNING)  # one INFO line per node otherwise
+
+    from kiln.compiler.manifest import write
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(fp32, tmp)
+    model = onnx.load(str(tmp / "model.onnx"))
+    q = MatMulNBitsQuantizer(model, block_size=block, is_symmetric=True, accuracy_level=4)
+    q.process()
+    for f in tmp.glob("model.onnx*"):
+        f.unlink()
+    onnx.save_model(q.model.model, str(tmp / "model.onnx"))
+    data = json.loads((tmp / "manifest.json").read_text())
+    data["precision"] = f"int4 (onnxruntime MatMulNBitsQuantizer RTN block {block})"
+    data.pop("files", None)
+    (tmp / "manifest.json").unlink()
+    write(tmp, data)
+    tmp.replace(out)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", default=str(Path.home() / ".cache" / "kiln" / "bench-int4"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--windows", type=int, default=40)
+    p.add_argument("--only", choices=("ppl", "speed"))
+    p.add_argument("--anchor-python", default=str(ROOT / ".venv-anchor" / "bin" / "python"))
+    args = p.parse_args()
+
+    import reference_models
+
+    import kiln.runtimes as kr
+
+    ckpt = reference_models.smollm2()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    arts = {}
+    for name, flags in VARIANTS.items():
+        arts[name] = work / name.replace(" ", "-").replace("(", "").replace(")", "")
+        compile_variant(ckpt, arts[name], flags, args.threads)
+    anchor_name = "ORT RTN g128 (anchor)"
+    arts[anchor_name] = anchor_rtn(arts["fp32"], work / "ort-rtn-g128", 128)
+    manifests = {n: json.loads((a / "manifest.json").read_text()) for n, a in arts.items()}
+    print(f"machine: {cpu_name()}, threads {args.threads}, onnxruntime {__import__('onnxruntime').__version__}")
+    print(f"model: SmolLM2-135M-Instruct ({ckpt}), held-out text: {ckpt / 'heldout.txt'}")
+
+    if args.only != "speed":
+        text = (ckpt / "heldout.txt").read_text()
+        base = None
+        print(f"\n{'artifact':<28} {'perplexity':>10} {'vs FP32':>8} {'size MB':>8} {'vs FP32':>8}  quantization")
+        for name, art in arts.items():
+            model = kr.load(art, threads=args.threads, session_config=SESSION_CONFIG)
+            ids = model.text_encoder.encode_ids(text)
+            ppl, n = perplexity(model, ids, 128, args.windows)
+            base = base or (ppl, size_mb(arts["fp32"]))
+            q = next((x for x in manifests[name]["passes"] if x["name"] == "quantize-nbits"), None)
+            info = ""
+            if q and "int4" in q:
+                i4 = q["int4"]
+                g = i4.get("gptq") or {}
+                info = (f"{i4['method']} group {i4['group_size']}, head {i4['lm_head']}, embedding {i4['embedding']}"
+                        + (f", {g['windows']} windows in {g['seconds']:.0f}s" if g else ""))
+            print(f"{name:<28} {ppl:>10.3f} {100 * (ppl / base[0] - 1):>+7.1f}% {size_mb(art):>8.0f} "
+                  f"{size_mb(art) / base[1]:>7.2f}x  {info}")
+            del model
+        print(f"({n} held-out tokens)")
+
+    if args.only != "ppl":
+        speed(args, arts, ckpt, work)
+    return 0
+
+
+def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Path) -> None:
+    import kiln.runtimes as kr
+
+    prompt, new = 64, 64
+    systems = {}
+    for name in ("fp32", "int8", "int4 (default)"):
+        model = kr.load(arts[name], threads=args.threads, session_config=SESSION_CONFIG)
+
+        def run(ids, mask, n, model=model):
+            t = time.perf_counter()
+            out = model.generate(ids, mask, max_new_tokens=n, stop_token_ids=[], pad_token_id=0)
+            return time.perf_counter() - t, out[:, ids.shape[1]:]
+
+        systems[f"kiln {name}"] = run
+    anchor = None
+    if Path(args.anchor_python).exists():
+        print("starting the anchor (optimum export + ORT INT4 RTN block 32)", file=sys.stderr)
+        anchor = Anchor(args.anchor_python, ckpt, work / "anchor-optimum-int4", args.threads, extra=["int4"])
+        systems["optimum+ORT int4 (anchor)"] = anchor
+    else:
+        print(f"speed anchor skipped: {args.anchor_python} not found (make anchor-venv)", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 49152, size=(1, prompt), dtype=np.int64)
+    mask = np.ones_like(ids)
+    for fn in systems.values():
+        fn(ids, mask, 4)
+    decode = {n: [] for n in systems}
+    order = list(systems)
+    for r in range(args.rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            time.sleep(0.3)
+            first = statistics.median(systems[name](ids, mask, 1)[0] for _ in range(3))
+            full, _ = systems[name](ids, mask, new)
+            decode[name].append((new - 1) / max(full - first, 1e-9))
+    med = {n: statistics.median(v) for n, v in decode.items()}
+    print(f"\ndecode, batch 1, prompt {prompt}, {new} new tokens, median of {args.rounds} alternating rounds")
+    print(f"{'system':<28} {'tok/s':>7} {'vs kiln fp32':>13} {'vs anchor':>10}")
+    for name, v in med.items():
+        vs = f"{v / med['optimum+ORT int4 (anchor)']:>9.2f}x" if anchor else f"{'-':>10}"
+        print(f"{name:<28} {v:>7.1f} {v / med['kiln fp32']:>12.2f}x {vs}")
+    if anchor:
+        anchor.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
