@@ -20,7 +20,7 @@ import onnx
 from kiln.compiler import corpus
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
-from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
+from kiln.compiler.pipeline import DEFAULT_LM_HEAD, HEAD_BITS, STAGES, ModelFacts, StageData, build_pass, precision_mode
 from kiln.compiler.quantize import budget as budget_lib
 from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.calibrate import GraphRunner, text_batches
@@ -159,7 +159,6 @@ class Driver:
 
         import torch
 
-        from kiln.compiler.pipeline import HEAD_BITS, DEFAULT_LM_HEAD
         from kiln.passes.quantize_nbits import rtn
 
         o = self.options
