@@ -69,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
                    help="longest random sequence in the parity check")
     c.add_argument("--max-drop", default=d.max_drop, metavar="METRIC=VALUE",
-                   help="int8 accuracy budget: cosine=0.995 (encoders), ppl=2 (percent), top1=0.98 or kl=0.01 "
-                        "(decoders); sensitive weights stay FP32 until it holds on held-out text")
+                   help="int8/int4 accuracy budget: cosine=0.995 (encoders), ppl=2 (percent), top1=0.98 or kl=0.01 "
+                        "(decoders); sensitive weights go up a tier (int4 -> int8 -> fp32) until it holds on "
+                        "held-out text")
     c.add_argument("--calibration", default=d.calibration, metavar="FILE",
                    help="texts (one per line, or JSONL with a text field) for int8 calibration and the budget")
     c.add_argument("--static", action="store_true",
@@ -261,7 +262,8 @@ def parity_table(manifest: dict[str, Any]) -> str:
             i4 = q["int4"]
             what = (f"int4 ({i4['method']}, group {i4['group_size']}{', act-order' if i4['act_order'] else ''}): "
                     f"{q['quantized']} weights quantized ({i4['from_solver']} with the solver's codes), lm_head "
-                    f"{i4['lm_head'] or '-'}, embedding {i4['embedding']}, {q['kept_fp32']} kept FP32")
+                    f"{i4['lm_head'] or '-'}, embedding {i4['embedding']}, {i4['promoted_int8']} promoted to INT8, "
+                    f"{q['kept_fp32']} kept FP32")
         else:
             what = f"int8 ({q['pass']}): {q['quantized']} weights INT8, {q['kept_fp32']} kept FP32"
         lines.append(f"  {what}; cost vs eager FP32: {', '.join(cost)}; speed: {gain}")

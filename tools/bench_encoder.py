@@ -52,8 +52,6 @@ def median_ms(fn, runs: int) -> float:
 def build_anchor(python: str, ckpt: Path, out: Path, threads: int, int8: bool = False):
     """Export + optimise (+ quantize_dynamic per-channel when ``int8``) in the anchor's own environment;
     return an ORT session over its graph."""
-    import onnxruntime as ort
-
     if not Path(python).exists():
         print(f"anchor skipped: {python} not found (run `make anchor-venv`)", file=sys.stderr)
         return None
@@ -63,13 +61,18 @@ def build_anchor(python: str, ckpt: Path, out: Path, threads: int, int8: bool = 
     if res.returncode != 0:
         raise SystemExit(f"anchor build failed:\n{res.stderr[-2000:]}")
     print(f"anchor fusions: {res.stdout.strip().splitlines()[-1]}", file=sys.stderr)
+    return ort_session(out / ("model_int8.onnx" if int8 else "model_optimized.onnx"), threads)
+
+
+def ort_session(path: Path, threads: int):
+    """An ONNX Runtime CPU session over a graph file with the benchmarks' settings (kiln's runtime uses the same)."""
+    import onnxruntime as ort
+
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
     for key, value in SESSION_CONFIG.items():
         opts.add_session_config_entry(key, value)
-    graph = "model_int8.onnx" if int8 else "model_optimized.onnx"
-    return ort.InferenceSession(str(out / graph), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 def main() -> int:

@@ -42,6 +42,8 @@ VARIANTS = {
     "int4 gptq g128 head fp32": ["--precision", "int4", "--group-size", "128", "--lm-head", "fp32",
                                  "--calibration", "{cal}"],
     "int4 (default)": ["--precision", "int4", "--calibration", "{cal}"],
+    "int4 lm-head int4": ["--precision", "int4", "--lm-head", "int4", "--calibration", "{cal}"],
+    "int4 max-drop ppl=5": ["--precision", "int4", "--max-drop", "ppl=5", "--calibration", "{cal}"],
 }
 
 
@@ -133,8 +135,10 @@ def main() -> int:
             if q and "int4" in q:
                 i4 = q["int4"]
                 g = i4.get("gptq") or {}
+                b = q.get("budget")
                 info = (f"{i4['method']} group {i4['group_size']}, head {i4['lm_head']}, embedding {i4['embedding']}"
-                        + (f", {g['windows']} windows in {g['seconds']:.0f}s" if g else ""))
+                        + (f", {g['windows']} windows in {g['seconds']:.0f}s" if g else "")
+                        + (f", {len(b['promoted_int8'])} INT8 + {len(b['kept_fp32'])} FP32 of {b['weights']}" if b else ""))
             print(f"{name:<28} {ppl:>10.3f} {100 * (ppl / base[0] - 1):>+7.1f}% {size_mb(art):>8.0f} "
                   f"{size_mb(art) / base[1]:>7.2f}x  {info}")
             del model
@@ -150,7 +154,7 @@ def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Pat
 
     prompt, new = 64, 64
     systems = {}
-    for name in ("fp32", "int8", "int4 (default)"):
+    for name in ("fp32", "int8", "int4 (default)", "int4 lm-head int4", "int4 max-drop ppl=5"):
         model = kr.load(arts[name], threads=args.threads, session_config=SESSION_CONFIG)
 
         def run(ids, mask, n, model=model):

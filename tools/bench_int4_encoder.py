@@ -26,23 +26,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_encoder import SESSION_CONFIG, build_anchor, cpu_name, median_ms  # noqa: E402
+from bench_encoder import SESSION_CONFIG, build_anchor, cpu_name, median_ms, ort_session  # noqa: E402
 from bench_int8 import heldout_sentences  # noqa: E402
 
 
 def pool(h: np.ndarray, mask: np.ndarray) -> np.ndarray:  # sentence-transformers: mean, then normalise
     e = (h * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
     return e / np.linalg.norm(e, axis=1, keepdims=True)
-
-
-def ort_session(path: Path, threads: int):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-    for key, value in SESSION_CONFIG.items():
-        opts.add_session_config_entry(key, value)
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 def main() -> int:

@@ -29,6 +29,8 @@ from kiln.passes.graph import MS_DOMAIN, Graph, attr
 from kiln.passes.quantize_int8 import matmul_weight, quantizable_matrix
 
 BITS = (4, 8)
+PROMOTED = (8, 32)
+"""Bits and block size of a weight an INT4 budget promotes (``promote_int8``)."""
 GRIDS = ("signed", "positive", "asym")
 """signed: symmetric, the block's largest-magnitude weight exact at the most negative code (scale carries the
 sign; ONNX Runtime's RTN grid). positive: symmetric with a positive scale, the smallest that keeps both
@@ -252,24 +254,22 @@ class QuantizeBlockwise(Pass):
                 skipped.append(Reason(where, "second input is not a constant FP32 matrix of at least "
                                              f"{self.min_elements} elements: nothing to quantize"))
                 continue
-            if mm.input[1] in self.keep_fp32:
-                stats["kept_fp32"] += 1
-                skipped.append(Reason(where, f"weight {mm.input[1]} kept in FP32 (accuracy budget)"))
-                continue
             tr = g.producer.get(mm.input[1])
             head = mm.output[0] in outputs or (tr is not None and tr.op_type == "Transpose" and tr.input[0] in tables)
+            fp32 = "accuracy budget" if mm.input[1] in self.keep_fp32 else \
+                "--lm-head fp32" if head and self.head_bits == 0 else None
+            if fp32:  # before a promotion: the budget never lowers a weight the options keep FP32
+                stats["kept_fp32"] += 1
+                stats["head"] = "fp32" if head else stats["head"]
+                skipped.append(Reason(where, f"weight {mm.input[1]} kept in FP32 ({fp32})"))
+                continue
             q = None if mm.input[1] in self.promote_int8 else self.given.find(w)
             if mm.input[1] in self.promote_int8:
-                q = rtn(w, 8, 32, self.grid)
+                q = rtn(w, *PROMOTED, self.grid)
                 stats["promoted_int8"] = stats.get("promoted_int8", 0) + 1
             elif q is not None:
                 stats["given"] += 1
             elif head and self.head_bits is not None:
-                if self.head_bits == 0:
-                    stats["kept_fp32"] += 1
-                    stats["head"] = "fp32"
-                    skipped.append(Reason(where, "lm_head kept in FP32 (--lm-head fp32)"))
-                    continue
                 q = rtn(w, self.head_bits, self.head_block_size, self.grid)
             else:
                 q = rtn(w, self.bits, self.block_size, self.grid)

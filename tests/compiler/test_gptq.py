@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.gptq import Settings, solve
 from kiln.passes.quantize_nbits import rtn
 
@@ -131,3 +132,28 @@ def test_dead_columns_are_zero():
     x[:, 3] = 0  # never active: its weights cannot matter, GPTQ zeroes them
     q, deq = solve(w, hessian(x), Settings(group_size=32, act_order=False))
     assert torch.all(deq[:, 3] == 0)
+
+
+def test_lm_head_is_solved_on_the_quantized_blocks_outputs():
+    """head=True: the tied lm_head is untied (the embedding table keeps its FP32 weights), solved on the final
+    hidden states, and its logits on the calibration windows are closer to FP32 than round-to-nearest's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    table = model.get_input_embeddings().weight.detach().clone()
+    ids = torch.randint(0, 512, (8, 32))
+    windows = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}]
+    settings = Settings(bits=4, group_size=32, act_order=True)
+    book = gptq.quantize_model(model, windows, 2, settings, lambda m: None, head=True)
+    assert torch.equal(model.get_input_embeddings().weight, table)
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    assert book.find(table.numpy().T.copy()) is not None and len(book) == 2 * 7 + 1
+    with torch.no_grad():
+        hidden = model.model(**{k: v for k, v in windows[0].items()}).last_hidden_state
+        solved = hidden @ model.lm_head.weight.T
+        exact = hidden @ table.T
+        rounded = hidden @ torch.from_numpy(rtn(table.numpy().T, 4, 32).dequantize())
+    assert (solved - exact).pow(2).mean() < 0.8 * (rounded - exact).pow(2).mean()

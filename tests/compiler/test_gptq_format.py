@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import fast_options, save_checkpoint
+from conftest import fast_options
 from safetensors.numpy import save_file
 
 from kiln.cli import main

@@ -1,4 +1,5 @@
-"""The INT8 accuracy budget: a planted sensitive layer stays FP32; bad calibration input fails clearly."""
+"""The accuracy budget: a planted sensitive layer stays FP32 (INT8) or goes INT8 then FP32 (INT4); bad calibration
+input fails clearly."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kiln.passes import run_passes
 from kiln.compiler.graphrun import expose
 from kiln.passes.calibration import Statistics, ranges
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
+from kiln.passes.quantize_nbits import QuantizeBlockwise
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
 
 D = 64
@@ -31,6 +33,11 @@ def two_layer_graph() -> onnx.ModelProto:
              numpy_helper.from_array(rng.standard_normal((D, D)).astype(np.float32) / 8, "W2")]
     nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Mul", ["h", "boost"], ["hb"]),
              helper.make_node("MatMul", ["hb", "W2"], ["y"])]
+    return x_to_y(nodes, inits)
+
+
+def x_to_y(nodes, inits) -> onnx.ModelProto:
+    """An opset-17 model of ``nodes`` from input x (B, D) to output y (B, D)."""
     g = helper.make_graph(nodes, "budget", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", D])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", D])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
@@ -44,7 +51,7 @@ def run(model, feeds):
 
 
 def dynamic(model):
-    return lambda keep: run_passes(model, [QuantizeDynamicInt8(keep_fp32=tuple(keep))])[0]
+    return lambda keep, promote: run_passes(model, [QuantizeDynamicInt8(keep_fp32=tuple(keep))])[0]
 
 
 def static(model):
@@ -54,7 +61,7 @@ def static(model):
     for f in feeds(1):
         stats.observe(dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"x": f["x"]}))))
     act = ranges(stats)
-    return lambda keep: run_passes(model, [QuantizeStaticQDQ({n: act[n] for n in names}, keep_fp32=tuple(keep))])[0]
+    return lambda keep, promote: run_passes(model, [QuantizeStaticQDQ({n: act[n] for n in names}, keep_fp32=tuple(keep))])[0]
 
 
 def feeds(seed):
@@ -76,6 +83,53 @@ def test_planted_sensitive_layer_stays_fp32(mode):
         mm = [n for n in result["model"].graph.node if n.op_type == "MatMul"]
         assert mm[0].input[1].startswith("W1_dq")
         assert mm[1].input[1] == "W2"
+
+
+def three_layer_int4_graph() -> onnx.ModelProto:
+    """x -> W1 -> W2 -> W3 -> y. W1 and W3 hold 4-bit codes times a scale (each block's -8 present, so
+    round-to-nearest reproduces them exactly); W2 is Gaussian with one input row 12x larger in every column, which
+    takes its block's 4-bit resolution (8 bits keep it)."""
+    rng = np.random.default_rng(0)
+
+    def on_grid() -> np.ndarray:
+        codes = rng.integers(0, 16, (D, D))
+        codes[::32] = 0
+        return ((codes - 8) * 0.02).astype(np.float32)
+
+    w2 = rng.standard_normal((D, D)).astype(np.float32) / 8
+    w2[5] *= 12
+    inits = [numpy_helper.from_array(w, f"W{i}") for i, w in enumerate((on_grid(), w2, on_grid()), 1)]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h1"]), helper.make_node("MatMul", ["h1", "W2"], ["h2"]),
+             helper.make_node("MatMul", ["h2", "W3"], ["y"])]
+    return x_to_y(nodes, inits)
+
+
+def int4(model):
+    return lambda keep, promote: run_passes(model, [QuantizeBlockwise(
+        bits=4, block_size=32, accuracy_level=0, keep_fp32=tuple(keep), promote_int8=tuple(promote))])[0]
+
+
+@pytest.mark.parametrize("value, kept, promoted", [(0.99, [], ["W2"]), (0.99999, ["W2"], [])])
+def test_int4_budget_promotes_to_int8_then_fp32(value, kept, promoted):
+    """All-INT4 gives min cosine 0.939 (W2 ruined), W2 at INT8 0.9996, W2 FP32 1.0: cosine 0.99 takes INT8 for W2
+    alone; 0.99999 needs W2 in FP32, and W1/W3, exact at 4 bits, go back to INT4 rather than staying INT8."""
+    model = three_layer_int4_graph()
+    result = quantize.search(model, int4(model), run, feeds(1), feeds(2), quantize.Budget("cosine", value),
+                             lambda m: None, lambda m: ["W1", "W2", "W3"], tiers=2)
+    assert (result["kept_fp32"], result["promoted_int8"]) == (kept, promoted)
+    assert list(result["sensitivity"])[0] == "W2" and result["sensitivity"]["W1"] < 1e-6
+    assert result["heldout_cosine"] >= value
+    ops = [n.op_type for n in result["model"].graph.node]
+    assert ops == (["MatMulNBits"] * 3 if not kept else ["MatMulNBits", "MatMul", "MatMulNBits"])
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in result["model"].graph.node if n.op_type == "MatMulNBits"]
+    assert bits == ([4, 8, 4] if promoted else [4, 4])
+
+
+def test_int4_budget_only_fp32_meets_is_an_error():
+    model = three_layer_int4_graph()
+    with pytest.raises(quantize.AccuracyBudgetError, match=r"met only with all 3 weights in FP32"):
+        quantize.search(model, int4(model), run, feeds(1), feeds(2), quantize.Budget("cosine", 1.0),
+                        lambda m: None, lambda m: ["W1", "W2", "W3"], tiers=2)
 
 
 def test_next_token_metrics_against_a_hand_computation():

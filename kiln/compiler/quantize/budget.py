@@ -1,23 +1,30 @@
-"""The INT8 accuracy budget: which weights stay FP32 so that a measured accuracy drop holds.
+"""The accuracy budget: which weights go up a precision tier so that a measured accuracy drop holds.
 
 ``--max-drop METRIC=VALUE``, measured against the FP32 graph on calibration text:
 - ``cosine=V`` (encoders): every text's pooled output keeps cosine >= V;
 - ``ppl=P`` (decoders): perplexity rises by at most P percent;
 - ``top1=A`` (decoders): the next-token argmax agrees on at least a fraction A of positions;
 - ``kl=K`` (decoders): the mean KL divergence of next-token distributions is at most K.
+Tiers: INT8 weights go to FP32; INT4 weights go to INT8 first, then to FP32.
 Procedure:
 1. quantize everything; if the calibration split meets the budget with a quarter of the allowed drop
    to spare, that is the choice;
-2. otherwise measure each weight's sensitivity (quantize it alone, record the metric) and return the
-   most sensitive remaining weight to FP32 until the calibration split meets it with that margin;
+2. otherwise measure each weight's sensitivity (quantize it alone, record the metric) and rank the weights, most
+   sensitive first. INT8: the first k ranked weights go FP32, for the smallest k that meets the budget on
+   calibration with that margin. INT4: the smallest k ranked weights go INT8; if even all-INT8 misses, the
+   smallest j go FP32 with the rest INT8, then as few of the rest stay INT8 as still meet it (the others back to
+   INT4). Each smallest k is found by bisection (a few measurements, not one per weight: the drop shrinks as
+   weights go up a tier);
 3. measure the chosen graph once on the held-out split (texts never used above) and record it.
-If even the FP32-heavy end of the search misses, the compile fails and says how close it got.
-Texts are split by a hash of their content (``kiln.compiler.corpus.split``), so the split does not depend on file order.
+If even the FP32-heavy end of the search misses, or only all weights in FP32 meet it, the compile fails and
+says how close it got. Texts are split by a hash of their content (``kiln.compiler.corpus.split``), so the
+split does not depend on file order.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class AccuracyBudgetError(KilnError):
-    """No choice of FP32 layers meets the requested accuracy drop."""
+    """No choice of precision per weight meets the requested accuracy drop."""
 
 
 @dataclass(frozen=True)
@@ -103,40 +110,103 @@ def next_token_metrics(ref: list[np.ndarray], got: list[np.ndarray], feeds: list
 
 
 Run = Callable[[onnx.ModelProto, list[dict[str, np.ndarray]]], list[np.ndarray]]
+Quantized = Callable[[Sequence[str], Sequence[str]], onnx.ModelProto]
+"""``quantized(keep_fp32, promote)``: the graph with ``keep_fp32`` in FP32 and ``promote`` one tier up (INT8)."""
 
 
-def search(fp32: onnx.ModelProto, quantized: Callable[[Sequence[str]], onnx.ModelProto], run: Run,
+def search(fp32: onnx.ModelProto, quantized: Quantized, run: Run,
            cal: list[dict[str, np.ndarray]], held: list[dict[str, np.ndarray]], budget: Budget,
-           say: Callable[[str], None], quantizable: Callable[[onnx.ModelProto], list[str]] = lambda m: list(candidates(m))
+           say: Callable[[str], None], quantizable: Callable[[onnx.ModelProto], list[str]] = lambda m: list(candidates(m)),
+           tiers: int = 1, units: Sequence[Sequence[str]] | None = None, sensitivity_feeds: int | None = None
            ) -> dict[str, Any]:
-    """Choose the FP32 weights. ``quantized(keep)`` builds the INT8 graph keeping ``keep`` in FP32;
-    ``run(model, feeds)`` returns the compared output per feed (pooled rows, or logits); ``quantizable``
-    lists the weights the quantizer can take (default: the weight MatMuls)."""
+    """Choose each weight's tier. ``quantized(keep, promote)`` builds the quantized graph; ``run(model, feeds)``
+    returns the compared output per feed (pooled rows, or logits); ``quantizable`` lists the weights the quantizer
+    can take (default: the weight MatMuls); ``tiers``: 1 (INT8 -> FP32) or 2 (INT4 -> INT8 -> FP32);
+    ``units``: groups of weights ranked together (INT4: one Transformer layer's weights, the lm_head; default one
+    weight each); ``sensitivity_feeds``: rank on the first so many calibration batches (the candidates are measured
+    on all). Sensitivity: one tier (INT8 -> FP32) the drop with the unit alone quantized; two tiers the gain of
+    promoting the unit alone to INT8 from all-INT4 (graphs mostly INT4: fast to build and run)."""
+    if tiers not in (1, 2):
+        raise ValueError(f"tiers is 1 or 2, not {tiers}")
     names = quantizable(fp32)
     ref_cal, ref_held = run(fp32, cal), run(fp32, held)
+    rank_cal = cal[:sensitivity_feeds] if sensitivity_feeds else cal
+    ref_rank = ref_cal[:len(rank_cal)]
+    groups = [list(u) for u in units] if units is not None else [[n] for n in names]
+    if sorted(n for u in groups for n in u) != sorted(names):
+        raise ValueError("budget units must cover every quantizable weight once")
 
     def measured(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], ref: list[np.ndarray]) -> float:
         return budget.measure(ref, run(model, feeds), feeds)
 
     # aim past the budget on calibration (a quarter of the allowed drop to spare), so held-out text holds it too
     target = 0.75 * budget.limit
-    keep: list[str] = []
-    cal_value = measured(quantized(keep), cal, ref_cal)
+    values: dict[tuple[tuple[str, ...], tuple[str, ...]], float] = {}
+
+    def meets(keep: Sequence[str], promote: Sequence[str]) -> bool:
+        key = (tuple(sorted(keep)), tuple(sorted(promote)))
+        if key not in values:
+            values[key] = measured(quantized(*key), cal, ref_cal)
+            if values.keys() - {((), ())}:
+                up = f"{len(key[1])} INT8, " if tiers == 2 else ""
+                say(f"budget: {up}{len(key[0])} FP32 -> calibration {budget.metric} {values[key]:.5g}")
+        return budget.drop(values[key]) <= target
+
+    def first(candidate: Callable[[int], tuple[list[str], list[str]]], lo: int, hi: int) -> int:
+        """Bisection: the smallest c in (lo, hi] whose candidate meets the target (lo misses; hi is the fallback)."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if meets(*candidate(mid)) else (mid, hi)
+        return hi
+
+    def ranked(score: Callable[[list[str]], float], label: str) -> tuple[list[str], dict[str, float]]:
+        """Units by ``score`` (measured on ``rank_cal``), highest first; the weights in that order."""
+        say(f"budget: {label} of {len(groups)} unit(s), {len(names)} weights, on "
+            f"{sum(len(f['input_ids']) for f in rank_cal)} calibration texts")
+        t0, step, sens = time.perf_counter(), max(1, len(groups) // 10), {}
+        for i, unit in enumerate(groups, 1):
+            sens.update(dict.fromkeys(unit, score(unit)))
+            if i % step == 0 or i == len(groups):
+                say(f"budget: {label} {i}/{len(groups)}, {time.perf_counter() - t0:.0f}s")
+        return [n for u in sorted(groups, key=lambda u: -sens[u[0]]) for n in u], sens
+
+    def rank_drop(keep: list[str], promote: list[str]) -> float:
+        return budget.drop(measured(quantized(keep, promote), rank_cal, ref_rank))
+
     sens: dict[str, float] = {}
+    sens_fp32: dict[str, float] = {}
     order: list[str] = []
-    if budget.drop(cal_value) > target:  # only then is it worth ranking the weights
-        say(f"int8 budget: sensitivity of {len(names)} weights on {sum(len(f['input_ids']) for f in cal)} calibration texts")
-        sens = {n: budget.drop(measured(quantized([x for x in names if x != n]), cal, ref_cal)) for n in names}
-        order = sorted(names, key=lambda n: -sens[n])
-    while budget.drop(cal_value) > target and len(keep) < len(order):
-        keep.append(order[len(keep)])
-        cal_value = measured(quantized(keep), cal, ref_cal)
-    model = quantized(keep)
+    keep, promote = [], []
+    if not meets(keep, promote) and names:  # only then is it worth ranking the weights
+        n = len(names)
+        if tiers == 1:  # sensitivity: the drop with the unit alone quantized, the rest FP32
+            order, sens = ranked(lambda u: rank_drop([x for x in names if x not in u], []), "sensitivity")
+            keep = order[:first(lambda c: (order[:c], []), 0, n)]
+        else:  # sensitivity: what promoting the unit alone to INT8 gains, from all-INT4
+            base = rank_drop([], [])
+            order, sens = ranked(lambda u: base - rank_drop([], u), "INT8 gain")
+            promote = order[:first(lambda c: ([], order[:c]), 0, n)]
+            if not meets(keep, promote):  # all-INT8 misses: rank again, by what FP32 gains from all-INT8
+                base = rank_drop([], names)
+                order32, by_name = ranked(lambda u: base - rank_drop(u, [x for x in names if x not in u]), "FP32 gain")
+                sens_fp32 = {x: by_name[x] for x in order32}
+                j = first(lambda c: (order32[:c], order32[c:]), 0, n)
+                keep = order32[:j]
+                rest = [x for x in order if x not in keep]
+                promote = rest
+                if j < n:  # then as few INT8 among the rest as still meet it (the others back to INT4)
+                    k = 0 if meets(keep, []) else first(lambda c: (keep, rest[:c]), 0, len(rest))
+                    promote = rest[:k]
+        meets(keep, promote)
+    cal_value = values[(tuple(sorted(keep)), tuple(sorted(promote)))]
+    model = quantized(keep, promote)
     held_value = measured(model, held, ref_held)
     m = budget.metric
     result = {"metric": m, "budget": budget.value, "weights": len(names), "kept_fp32": keep,
+              **({"promoted_int8": promote} if tiers == 2 else {}), "measured_candidates": len(values),
               f"calibration_{m}": cal_value, f"heldout_{m}": held_value,
-              "sensitivity": {n: round(sens[n], 6) for n in order}}
+              "units": len(groups), "sensitivity": {n: float(f"{sens[n]:.6g}") for n in order},
+              **({"sensitivity_fp32": {n: float(f"{v:.6g}") for n, v in sens_fp32.items()}} if sens_fp32 else {})}
     if names and len(keep) == len(names) and budget.holds(held_value):
         raise AccuracyBudgetError(
             f"--max-drop {m}={budget.value} is met only with all {len(names)} weights in FP32 (nothing left to quantize); "

@@ -213,14 +213,32 @@ def transformer_blocks(model: Any, num_layers: int) -> Any:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
+class _Hessian:
+    """2/n X^T X of one Linear's inputs, accumulated batch by batch (n: rows seen so far)."""
+
+    def __init__(self, k: int) -> None:
+        import torch
+
+        self.h, self.n = torch.zeros((k, k)), 0
+
+    def add(self, x: Any) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(self.h.dtype)
+        total = self.n + x.shape[0]
+        self.h *= self.n / total
+        x = math.sqrt(2 / total) * x
+        self.h += x.T @ x
+        self.n = total
+
+
 def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: int, settings: Settings,
                    say: Progress, skip: Callable[[str], bool] = lambda name: False,
-                   named: dict[str, Quantized] | None = None) -> Codebook:
+                   named: dict[str, Quantized] | None = None, head: bool = False) -> Codebook:
     """Quantize every Linear inside the Transformer blocks of ``model`` (modified in place: each weight
-    becomes what its codes dequantize to). ``windows``: model inputs (torch tensors, batched).
+    becomes what its codes dequantize to), and with ``head`` the lm_head too (a tied one is untied first: the
+    embedding table keeps its weights). ``windows``: model inputs (torch tensors, batched).
 
     Returns the codes, found by the original (K, N) weights as the traced graph holds them; ``named``, when
-    given, is filled with the codes by module name (for writing a GPTQ checkpoint)."""
+    given, is filled with the blocks' codes by module name (for writing a GPTQ checkpoint)."""
     import torch
 
     blocks = transformer_blocks(model, num_layers)
@@ -232,39 +250,20 @@ def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: in
         raise _Stop
 
     t0 = time.perf_counter()
-    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for feeds in windows:
-                try:
-                    model(**feeds)
-                except _Stop:
-                    pass
-    finally:
-        handle.remove()
+    _run_until(model, windows, blocks[0], grab, with_kwargs=True)
     hidden = [a[0] if a else kw.pop("hidden_states") for a, kw in captured]
     rest = [(a[1:], kw) for a, kw in captured]
     result = Codebook()
     for index, block in enumerate(blocks):
         linears = {name: m for name, m in block.named_modules() if is_linear(m) and not skip(f"{index}.{name}")}
-        hess = {name: torch.zeros((in_features(m), in_features(m))) for name, m in linears.items()}
-        seen = dict.fromkeys(linears, 0)
-
-        def accumulate(name: str) -> Callable:
-            def hook(module: Any, args: tuple, out: Any) -> None:
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float32)
-                total = seen[name] + x.shape[0]
-                hess[name] *= seen[name] / total
-                x = math.sqrt(2 / total) * x
-                hess[name] += x.T @ x
-                seen[name] = total
-            return hook
+        hess = {name: _Hessian(in_features(m)) for name, m in linears.items()}
 
         with torch.no_grad():
             for stage in _stages(block, linears, hidden[0], rest[0]) if settings.method == "gptq" else [list(linears)]:
                 if settings.method == "gptq":  # Hessians of this stage's inputs, earlier stages already quantized
                     last = linears[stage[-1]]
-                    hooks = [linears[name].register_forward_hook(accumulate(name)) for name in stage]
+                    hooks = [linears[name].register_forward_hook(lambda mod, args, out, h=hess[name]: h.add(args[0]))
+                             for name in stage]
                     hooks.append(last.register_forward_hook(_stop_after))
                     try:
                         for h, (a, kw) in zip(hidden, rest):
@@ -280,7 +279,7 @@ def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: in
                     conv = not isinstance(m, torch.nn.Linear)  # GPT-2's Conv1D holds (K, N)
                     w_nk = m.weight.detach().T if conv else m.weight.detach()
                     original = w_nk.numpy().T.copy()  # a copy: the weight is overwritten below
-                    q, deq = solve(w_nk, hess[name] if settings.method == "gptq" else None, settings)
+                    q, deq = solve(w_nk, hess[name].h if settings.method == "gptq" else None, settings)
                     m.weight.copy_((deq.T if conv else deq).to(m.weight.dtype))
                     result.add(original, q)
                     if named is not None:
@@ -289,7 +288,52 @@ def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: in
             hidden = [_first(block(h, *a, **kw)) for h, (a, kw) in zip(hidden, rest)]
         say(f"{settings.method} block {index + 1}/{len(blocks)}: {len(linears)} linears, "
             f"{time.perf_counter() - t0:.0f}s")
+    if head:
+        _quantize_head(model, windows, settings, result)
+        say(f"{settings.method} lm_head: {time.perf_counter() - t0:.0f}s")
     return result
+
+
+def _quantize_head(model: Any, windows: Sequence[dict[str, Any]], settings: Settings, result: Codebook) -> None:
+    """The lm_head on the final hidden states of the already-quantized blocks (one more pass over the windows,
+    stopped at the head's input)."""
+    import torch
+
+    out = model.get_output_embeddings()
+    if out is None or not isinstance(out, torch.nn.Linear):
+        return
+    hess = _Hessian(out.in_features)
+
+    def grab(module: Any, args: tuple) -> None:
+        hess.add(args[0])
+        raise _Stop
+
+    _run_until(model, windows, out, grab)
+    with torch.no_grad():
+        if out.weight is model.get_input_embeddings().weight:  # tied: the table keeps its FP32 weights
+            out.weight = torch.nn.Parameter(out.weight.detach().clone(), requires_grad=False)
+        original = out.weight.detach().numpy().T.copy()
+        q, deq = solve(out.weight.detach(), hess.h if settings.method == "gptq" else None, settings)
+        out.weight.copy_(deq)
+        result.add(original, q)
+
+
+def _run_until(model: Any, windows: Sequence[dict[str, Any]], module: Any, grab: Callable, with_kwargs: bool = False
+               ) -> None:
+    """Run every window through ``model`` with ``grab`` as ``module``'s forward pre-hook (it raises _Stop: nothing
+    after ``module`` runs)."""
+    import torch
+
+    handle = module.register_forward_pre_hook(grab, with_kwargs=with_kwargs)
+    try:
+        with torch.no_grad():
+            for feeds in windows:
+                try:
+                    model(**feeds)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
 
 
 def _stop_after(module: Any, args: tuple, out: Any) -> None:

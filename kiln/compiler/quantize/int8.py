@@ -20,7 +20,7 @@ import onnx
 from kiln.compiler import corpus
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
-from kiln.compiler.pipeline import DEFAULT_LM_HEAD, HEAD_BITS, STAGES, ModelFacts, StageData, build_pass, precision_mode
+from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
 from kiln.compiler.quantize import budget as budget_lib
 from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.calibrate import GraphRunner, text_batches
@@ -28,10 +28,12 @@ from kiln.errors import CheckpointError, UsageError
 from kiln.passes import run_passes
 from kiln.passes.calibration import Statistics, ranges
 from kiln.passes.quantize_int8 import candidates, weights
-from kiln.passes.quantize_nbits import Codebook
+from kiln.passes.quantize_nbits import PROMOTED, Codebook
 from kiln.passes.quantize_nbits import weights as blockwise_weights
 
 GPTQ_BATCH = 8
+SENSITIVITY_BATCHES = 1
+"""INT4 budgets rank the layers on the first calibration batch (16 texts); the candidates are measured on all."""
 DECODER_TEXTS = 96
 """Decoders keep every calibration batch's FP32 logits in memory for the budget: cap the texts."""
 
@@ -61,7 +63,8 @@ class Driver:
         self.gptq_info: dict[str, Any] = {}
         self._fake: Any = None
         self.kept_columns: set[str] = set()
-        """Column keys of the weights an INT4 budget kept FP32 (the fake-quantized reference leaves them FP32)."""
+        self.promoted_columns: set[str] = set()
+        """Column keys of the weights an INT4 budget kept FP32 / promoted to INT8 (the fake-quantized reference too)."""
         self.named: dict[str, Any] = {}
         """The solver's codes by module name (``kiln export-gptq`` writes them)."""
         if ckpt.tokenizer is None:
@@ -96,11 +99,8 @@ class Driver:
                 return model, [{"name": name, "modified": False, "stats": {},
                                 "skipped": [{"where": "graph", "why": "no calibration text (the checkpoint has no tokenizer)"}]}]
             data = StageData(given=self.ckpt.codebook)
-            out, record = run_passes(model, [build_pass(name, self.facts, self.options, data)], progress=self.say)
-            if self.options.precision == "int4":
-                self._check_imported(record[0]["stats"])
-                record[0]["int4"] = self.int4_settings(record[0]["stats"])
-            return out, record
+            return self._int4_record(*run_passes(model, [build_pass(name, self.facts, self.options, data)],
+                                                 progress=self.say))
         data = StageData()
         if self.options.precision == "int4":
             if self.ckpt.codebook is not None:
@@ -116,15 +116,21 @@ class Driver:
         if stage.quantizer and self.budget is not None:
             result = self._search(name, model, data)
             data.keep_fp32 = tuple(result["kept_fp32"])
+            data.promote_int8 = tuple(result.get("promoted_int8", ()))
         out, record = run_passes(model, [build_pass(name, self.facts, self.options, data)], progress=self.say)
         if stage.quantizer:
             record[0]["calibration"] = dict(self.info, **({"method": self.options.calibration_method}
                                                          if data.ranges is not None else {}))
             if result:
                 record[0]["budget"] = {k: v for k, v in result.items() if k != "model"}
-            if self.options.precision == "int4":
-                self._check_imported(record[0]["stats"])
-                record[0]["int4"] = self.int4_settings(record[0]["stats"])
+            return self._int4_record(out, record)
+        return out, record
+
+    def _int4_record(self, out: onnx.ModelProto, record: list[dict[str, Any]]) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+        """A quantizer's record, with what the manifest says about INT4 (imported codes checked to be all used)."""
+        if self.options.precision == "int4":
+            self._check_imported(record[0]["stats"])
+            record[0]["int4"] = self.int4_settings(record[0]["stats"])
         return out, record
 
     def _check_imported(self, stats: dict[str, Any]) -> None:
@@ -159,10 +165,11 @@ class Driver:
 
         import torch
 
-        from kiln.passes.quantize_nbits import rtn
+        from kiln.passes.quantize_nbits import rtn, weight_key
 
         o = self.options
-        grid = "asym" if o.asym else "positive" if o.target == "tensorrt" else "signed"
+        rules = build_pass("quantize-nbits", self.facts, o)  # the grid, head and table precision the artifact got
+        grid = rules.grid
         model = self._fake
         if model is None:
             model = copy.deepcopy(self.ckpt.model)
@@ -172,33 +179,47 @@ class Driver:
                         if gptq.is_linear(m):
                             conv = not isinstance(m, torch.nn.Linear)
                             w_kn = m.weight.detach().numpy() if conv else m.weight.detach().numpy().T
-                            deq = rtn(w_kn, 4, o.group_size, grid).dequantize()
+                            deq = rtn(w_kn, rules.bits, rules.block_size, grid).dequantize()
                             with torch.no_grad():
                                 m.weight.copy_(torch.from_numpy(deq if conv else np.ascontiguousarray(deq.T)))
-        if self.kept_columns:
-            from kiln.passes.quantize_nbits import weight_key
 
-            original = dict(self.ckpt.model.named_modules())
-            with torch.no_grad():
-                for name, m in model.named_modules():
-                    if gptq.is_linear(m) and name in original:
-                        w0 = original[name].weight.detach()
-                        col = (w0[:, :1] if not isinstance(m, torch.nn.Linear) else w0[:1].T).numpy()
-                        if weight_key(col) in self.kept_columns:
-                            m.weight.copy_(w0)
-        head = HEAD_BITS[o.lm_head or DEFAULT_LM_HEAD]
-        block = 32 if head == 8 else o.group_size
+        def tier(w_kn: np.ndarray) -> int | None:
+            """The budget's choice for a weight, by its first column: 0 (FP32), 8 (promoted) or None (not moved)."""
+            key = weight_key(w_kn[:, :1])
+            return 0 if key in self.kept_columns else PROMOTED[0] if key in self.promoted_columns else None
+
+        original = dict(self.ckpt.model.named_modules())
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        with torch.no_grad():
+            for name, m in model.named_modules():  # the blocks' Linears (the lm_head below: it may be tied)
+                if gptq.is_linear(m) and m is not out_emb and name in original and (self.kept_columns or self.promoted_columns):
+                    conv = not isinstance(m, torch.nn.Linear)
+                    w0 = original[name].weight.detach()
+                    w_kn = w0.numpy() if conv else w0.numpy().T
+                    bits = tier(w_kn)
+                    if bits == 0:
+                        m.weight.copy_(w0)
+                    elif bits:  # the pass's promotion: round-to-nearest at PROMOTED
+                        deq = rtn(w_kn, *PROMOTED, grid).dequantize()
+                        m.weight.copy_(torch.from_numpy(deq if conv else np.ascontiguousarray(deq.T)))
+        head, block = rules.head_bits, rules.head_block_size
         in_emb = model.get_input_embeddings()
         with torch.no_grad():
-            if head and out_emb is not None:
+            if out_emb is not None:
+                head_kn = self.ckpt.model.get_output_embeddings().weight.detach().numpy().T
+                moved = tier(head_kn)
+                head, block = (head, block) if moved is None or rules.head_bits == 0 else (moved, PROMOTED[1])
+                codes = self._codebook if self._codebook is not None else self.ckpt.codebook
+                solved = moved is None and codes is not None and codes.find(head_kn) is not None
                 if out_emb.weight is in_emb.weight:  # tied: the graph quantizes the head and the table separately
                     out_emb.weight = torch.nn.Parameter(in_emb.weight.detach().clone(), requires_grad=False)
-                w = out_emb.weight.detach().numpy()
-                out_emb.weight.copy_(torch.from_numpy(rtn(w.T, head, block, grid).dequantize().T.copy()))
-            if self.facts.kind == "decoder" and head and o.target != "tensorrt":
+                if not solved:  # else the model already holds what the solver's head codes dequantize to
+                    w = rtn(head_kn, head, block, grid).dequantize() if head else head_kn
+                    out_emb.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
+            if rules.embedding_bits and rules.form == "matmulnbits":
                 e = in_emb.weight.detach().numpy()
-                in_emb.weight.copy_(torch.from_numpy(rtn(e.T, head, block, "signed").dequantize().T.copy()))
+                in_emb.weight.copy_(torch.from_numpy(
+                    rtn(e.T, rules.embedding_bits, rules.head_block_size, "signed").dequantize().T.copy()))
         self._fake = None
         return model
 
@@ -254,7 +275,9 @@ class Driver:
                  f"{'act-order, ' if settings.act_order else ''}{settings.grid} grid")
         t0 = time.perf_counter()
         model = copy.deepcopy(self.ckpt.model)
-        self._codebook = gptq.quantize_model(model, batches, self.facts.num_layers, settings, self.say, named=self.named)
+        head = build_pass("quantize-nbits", self.facts, o).head_bits == settings.bits  # --lm-head int4: solved too
+        self._codebook = gptq.quantize_model(model, batches, self.facts.num_layers, settings, self.say, named=self.named,
+                                             head=head)
         self._fake = model  # the solver's weights: what the artifact's codes stand for (verification's second reference)
         self.gptq_info = {"windows": n, "window_tokens": window if self.facts.kind != "encoder" else "one text each",
                           "source": o.calibration or "(default Python docs sentences)",
@@ -262,25 +285,41 @@ class Driver:
                           "damp": settings.damp, "mse_scale_search": settings.mse}
         return self._codebook
 
+    def _layers(self, names: list[str]) -> list[list[str]] | None:
+        """INT4's budget units: the weights (in graph order) of each Transformer layer, and the lm_head on its own;
+        one weight each when the count does not divide into layers."""
+        n_layers = self.facts.num_layers
+        for extra in (0, 1):
+            per, rest = divmod(len(names) - extra, n_layers)
+            if per and not rest:
+                layers = [names[i * per:(i + 1) * per] for i in range(n_layers)]
+                return layers + ([names[-1:]] if extra else [])
+        return None
+
     def _search(self, name: str, fp32: onnx.ModelProto, data: StageData) -> dict[str, Any]:
-        def quantized(keep: Sequence[str]) -> onnx.ModelProto:
-            trial = StageData(data.channel_absmax, data.ranges, tuple(keep), given=data.given)
+        def quantized(keep: Sequence[str], promote: Sequence[str]) -> onnx.ModelProto:
+            trial = StageData(data.channel_absmax, data.ranges, tuple(keep), given=data.given, promote_int8=tuple(promote))
             return run_passes(fp32, [build_pass(name, self.facts, self.options, trial)])[0]
 
         quantizable = {"quantize-int8": weights, "quantize-nbits": blockwise_weights}.get(name, lambda m: list(candidates(m)))
-        result = budget_lib.search(fp32, quantized, self.run_graph, self.cal, self.held, self.budget, self.say, quantizable)
-        if result["kept_fp32"]:  # the fake-quantized reference keeps these FP32 as well (every column, packed or not)
-            from kiln.passes.graph import Graph
-            from kiln.passes.quantize_nbits import blockwise_weight, weight_key
+        int4 = self.options.precision == "int4"
+        result = budget_lib.search(fp32, quantized, self.run_graph, self.cal, self.held, self.budget, self.say, quantizable,
+                                   tiers=2 if int4 else 1, units=self._layers(quantizable(fp32)) if int4 else None,
+                                   sensitivity_feeds=SENSITIVITY_BATCHES if int4 else None)
+        # the fake-quantized reference gives these weights the same precision (every column, packed or not)
+        from kiln.passes.graph import Graph
+        from kiln.passes.quantize_nbits import blockwise_weight, weight_key
 
-            g = Graph(fp32)
+        g = Graph(fp32)
+        for names, columns in ((result["kept_fp32"], self.kept_columns), (result.get("promoted_int8", ()), self.promoted_columns)):
             for node in g.g.node:
-                if node.op_type == "MatMul" and node.input[1] in result["kept_fp32"]:
+                if node.op_type == "MatMul" and node.input[1] in names:
                     w = blockwise_weight(g, node, 0)
-                    self.kept_columns |= {weight_key(w[:, c:c + 1]) for c in range(w.shape[1])}
+                    columns |= {weight_key(w[:, c:c + 1]) for c in range(w.shape[1])}
         m = self.budget.metric
-        self.say(f"{self.options.precision} budget: {len(result['kept_fp32'])} of {result['weights']} weights kept FP32; held-out {m} "
-                 f"{result[f'heldout_{m}']:.5f} (budget {self.budget.value})")
+        promoted = f"{len(result['promoted_int8'])} promoted to INT8, " if int4 else ""
+        self.say(f"{self.options.precision} budget: {promoted}{len(result['kept_fp32'])} of {result['weights']} weights "
+                 f"kept FP32; held-out {m} {result[f'heldout_{m}']:.5f} (budget {self.budget.value})")
         return result
 
 
@@ -313,5 +352,6 @@ def cost_and_gain(record: list[dict[str, Any]], report: dict[str, Any]) -> dict[
     if "int4" in q:
         i4 = q["int4"]
         out["int4"] = {"method": i4["method"], "group_size": i4["group_size"], "act_order": i4["act_order"],
-                       "lm_head": i4["lm_head"], "embedding": i4["embedding"], "from_solver": q["stats"].get("given", 0)}
+                       "lm_head": i4["lm_head"], "embedding": i4["embedding"], "from_solver": q["stats"].get("given", 0),
+                       "promoted_int8": q["stats"].get("promoted_int8", 0)}
     return out
