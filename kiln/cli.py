@@ -89,11 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="int4: inputs per scale, a power of two >= 16 (default 32; 0: one group per row)")
     c.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=d.act_order,
                    help="int4 GPTQ: solve columns by descending activation energy (default on)")
-    c.add_argument("--asym", action="store_true", help="int4: asymmetric groups with zero points (cpu target)")
+    c.add_argument("--asym", action=argparse.BooleanOptionalAction, default=d.asym,
+                   help="int4: asymmetric groups with zero points (cpu target; default on for encoders, off for decoders)")
     c.add_argument("--lm-head", default=d.lm_head, metavar="|".join(LM_HEADS),
                    help="int4: precision of the lm_head and the embedding table (default int8)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=d.accuracy_level,
-                   help="MatMulNBits accuracy level: 4 = int8 activations per block (fastest), 0 = FP32 activations")
+                   help="MatMulNBits accuracy level: 4 = int8 activations per block, 0 = FP32 activations "
+                        "(default 4; int4 encoders 0)")
     c.add_argument("--gptq-windows", type=int, default=d.gptq_windows, metavar="N",
                    help="int4 GPTQ: calibration windows of 256 tokens")
     c.add_argument("--max-length", type=int, default=d.max_length,

@@ -1,8 +1,8 @@
 """Encoder INT4 accuracy and latency, side by side in one run: all-MiniLM-L6-v2, kiln ``--precision int4``
-(GPTQ, group 32) against ONNX Runtime's RTN INT4 graph (optimum's export in its own venv, then
+(GPTQ, group 32, the encoder defaults: asymmetric, accuracy level 0) against ONNX Runtime's RTN INT4 graph (optimum's export in its own venv, then
 ``MatMulNBitsQuantizer`` block 32, symmetric, accuracy level 4: every MatMul of the plain export).
 
-    python tools/bench_int4_encoder.py [--group-size 32] [--batch-sizes 1 8] [--rounds 5]
+    python tools/bench_int4_encoder.py [--group-size 32] [--batch-sizes 1 8] [--rounds 5] [--kiln-flags "..."]
 
 Accuracy: sentence-embedding cosine against eager FP32 on 200 English sentences from the Python docs that
 kiln's default calibration set does not contain. Latency: sequence 128, 2 threads, median ms over
@@ -42,6 +42,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--anchor-python", default=str(ROOT / ".venv-anchor" / "bin" / "python"))
+    p.add_argument("--kiln-flags", default="", help="more kiln compile flags, e.g. '--accuracy-level 0'")
     args = p.parse_args()
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
 
@@ -56,7 +57,8 @@ def main() -> int:
     art = work / "kiln"
     print(f"compiling kiln INT4 group {args.group_size}", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(ckpt), "-o", str(art), "-q", "--threads",
-                    str(args.threads), "--precision", "int4", "--group-size", str(args.group_size)], check=True)
+                    str(args.threads), "--precision", "int4", "--group-size", str(args.group_size),
+                    *args.kiln_flags.split()], check=True)
     if build_anchor(args.anchor_python, ckpt, work / "anchor", args.threads) is None:
         return 1
     q = MatMulNBitsQuantizer(onnx.load(str(work / "anchor" / "model.onnx")), block_size=args.group_size,

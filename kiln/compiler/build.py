@@ -32,6 +32,7 @@ from kiln.compiler.options import (
     TARGETS,
     TASKS,
     CompileOptions,
+    int4_defaults,
 )
 from kiln.compiler.pipeline import STAGES, ModelFacts, build_pass, check_coverage, recipe
 from kiln.compiler.quantize import int8
@@ -74,7 +75,7 @@ def _check_options(options: CompileOptions) -> None:
 
 
 def _check_int4(options: CompileOptions) -> None:
-    int4_flags = [f for f, on in (("--asym", options.asym),
+    int4_flags = [f for f, on in (("--asym", options.asym is not None),
                                   ("--lm-head", options.lm_head is not None),
                                   ("--quant-method", options.quant_method != CompileOptions.quant_method),
                                   ("--group-size", options.group_size != CompileOptions.group_size)) if on]
@@ -105,7 +106,7 @@ def imported_options(ckpt: Checkpoint, options: CompileOptions) -> CompileOption
         raise UsageError(f"{ckpt.source['path']} is already quantized: --asym, --quant-method and --calibration do "
                          "not apply (its codes are compiled as they are)")
     group = int(info.get("group_size", 128))
-    return replace(options, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn")
+    return replace(options, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn", asym=False)
 
 
 def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions | None = None,
@@ -122,6 +123,7 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
         options = imported_options(ckpt, options)
         say(f"{ckpt.path.name}: {ckpt.imported['format']} {ckpt.imported['bits']}-bit, group "
             f"{ckpt.imported['group_size']}: compiled with its own codes (no requantization)")
+    options = int4_defaults(ckpt.kind, options)
     if options.precision == "int4":
         int8.check_group_size(ckpt, options)
     if ckpt.tokenizer_problem:

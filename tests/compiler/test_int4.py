@@ -187,8 +187,17 @@ def test_encoder_int4_rtn(checkpoints, tmp_path):
     out = compile(checkpoints["bert"], tmp_path / "bert4", fast_options(precision="int4", quant_method="rtn",
                                                                        group_size=16))
     m = manifest(out)
-    s = entry(m, "quantize-nbits")["stats"]
+    q = entry(m, "quantize-nbits")
+    s = q["stats"]
     assert m["verification"]["status"] == "passed" and s["quantized"] >= 2 * 6 and s["embedding"] is None
+    # encoders' defaults: asymmetric groups with zero points, FP32 activations (accuracy level 0)
+    assert s["grid"] == "asym" and not q["int4"]["symmetric"] and q["int4"]["accuracy_level"] == 0
+    nodes = [n for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "MatMulNBits"]
+    assert all(len(n.input) == 4 and next(a.i for a in n.attribute if a.name == "accuracy_level") == 0 for n in nodes)
+    sym = compile(checkpoints["bert"], tmp_path / "bert4sym", fast_options(precision="int4", quant_method="rtn",
+                                                                          group_size=16, asym=False, accuracy_level=4))
+    q = entry(manifest(sym), "quantize-nbits")
+    assert q["stats"]["grid"] == "signed" and q["int4"]["accuracy_level"] == 4
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -19,7 +19,7 @@ import onnx
 
 from kiln.compiler import corpus
 from kiln.compiler.load import Checkpoint
-from kiln.compiler.options import CompileOptions
+from kiln.compiler.options import CompileOptions, int4_defaults
 from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
 from kiln.compiler.quantize import budget as budget_lib
 from kiln.compiler.quantize import gptq
@@ -52,7 +52,8 @@ class Driver:
     """One per compile: reads and splits the calibration text once, measures each graph it is handed."""
 
     def __init__(self, ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, say: Progress) -> None:
-        self.ckpt, self.facts, self.options, self.say = ckpt, facts, options, say
+        self.ckpt, self.facts, self.options, self.say = ckpt, facts, int4_defaults(facts.kind, options), say
+        options = self.options
         self.budget = budget_lib.parse_budget(options.max_drop, facts.kind) if options.max_drop else None
         self.run_graph = GraphRunner(facts, options.threads)
         self.cal: list[dict] | None = None
