@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="int4: inputs per scale, a power of two >= 16 (default 32; 0: one group per row)")
     c.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=d.act_order,
                    help="int4 GPTQ: solve columns by descending activation energy (default on)")
+    c.add_argument("--prune", default=d.prune, metavar="heads=R,ffn=R",
+                   help="remove fractions of every layer's attention heads and FFN channels before export")
+    c.add_argument("--prune-method", default=d.prune_method, metavar="flap|wanda|magnitude",
+                   help="how --prune chooses what to remove (default flap: input fluctuation + bias compensation)")
     c.add_argument("--asym", action=argparse.BooleanOptionalAction, default=d.asym,
                    help="int4: asymmetric groups with zero points (cpu target; default on for encoders, off for decoders)")
     c.add_argument("--lm-head", default=d.lm_head, metavar="|".join(LM_HEADS),
@@ -204,6 +208,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
         quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
         lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
+        prune=args.prune, prune_method=args.prune_method,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
     manifest = json.loads((out / "manifest.json").read_text())

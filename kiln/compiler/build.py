@@ -56,6 +56,12 @@ def _check_options(options: CompileOptions) -> None:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
     if options.max_length is not None and options.max_length < 2:
         raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
+    if options.prune:
+        from kiln.compiler import prune as prune_lib
+
+        prune_lib.parse(options.prune, options.prune_method)
+    elif options.prune_method != CompileOptions.prune_method:
+        raise UsageError("--prune-method chooses what --prune removes; add --prune heads=R,ffn=R")
     if (options.static or options.smoothquant is not None) and options.precision != "int8":
         raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
     if (options.max_drop or options.calibration) and options.precision == "fp32":
@@ -124,6 +130,8 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
         say(f"{ckpt.path.name}: {ckpt.imported['format']} {ckpt.imported['bits']}-bit, group "
             f"{ckpt.imported['group_size']}: compiled with its own codes (no requantization)")
     options = int4_defaults(ckpt.kind, options)
+    if options.prune:
+        ckpt = prune_checkpoint(ckpt, options, say)
     if options.precision == "int4":
         int8.check_group_size(ckpt, options)
     if ckpt.tokenizer_problem:
@@ -133,6 +141,36 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
         build(ckpt, root, options, say)
     say(f"wrote {output}")
     return output
+
+
+def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -> Checkpoint:
+    """``--prune``: the eager model loses heads and FFN channels chosen on calibration text (the artifact is then
+    verified against the pruned model); the cost against the original is measured on held-out text."""
+    import copy
+    from dataclasses import replace
+
+    from kiln.compiler import corpus
+    from kiln.compiler import prune as prune_lib
+
+    spec = prune_lib.parse(options.prune, options.prune_method)
+    if ckpt.kind == "seq2seq" or ckpt.codebook is not None:
+        raise UsageError(f"--prune: {ckpt.path} is {'an encoder-decoder' if ckpt.kind == 'seq2seq' else 'already quantized'}"
+                         "; kiln prunes encoder-only and decoder-only FP32 checkpoints")
+    facts = model_facts(ckpt)
+    cal, held = corpus.split(corpus.read_texts(options.calibration))
+    feeds = prune_lib.torch_feeds(ckpt, cal[:64]) if ckpt.tokenizer is not None and spec.method != "magnitude" else []
+    if spec.method != "magnitude" and not feeds:
+        raise UsageError(f"--prune-method {spec.method} reads calibration text through the tokenizer; {ckpt.path} "
+                         "has none (use --prune-method magnitude)")
+    original = copy.deepcopy(ckpt.model)
+    record = prune_lib.prune(ckpt.model, facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_size, spec,
+                             feeds, say)
+    if ckpt.tokenizer is not None:
+        record["cost"] = prune_lib.cost(original, ckpt.model, prune_lib.torch_feeds(ckpt, held[:64]), ckpt.kind)
+        say(f"prune cost on {record['cost']['texts']} held-out texts vs the original: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in record["cost"].items() if k != "texts"))
+    del original
+    return replace(ckpt, pruning=record)
 
 
 def model_facts(ckpt: Checkpoint) -> ModelFacts:
@@ -220,6 +258,8 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
         for problem in problems:
             say(f"warning: {problem} (--allow-partial-fusion)")
         data = manifest_lib.base(ckpt, facts, options, record, *trace.io_specs(ckpt), {"model": GRAPH})
+        if ckpt.pruning is not None:
+            data["pruning"] = ckpt.pruning
         if any(p["name"] == "kv-cache" and p["stats"].get("layers") for p in record):
             manifest_lib.add_kv_cache(data, ckpt, facts, options)
         if options.target == "tensorrt":

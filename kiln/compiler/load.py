@@ -74,6 +74,8 @@ class Checkpoint:
     """An already-quantized checkpoint's codes (kiln.passes.quantize_nbits.Codebook): compiled as they are."""
     imported: dict[str, Any] | None = None
     """What the quantized checkpoint declared (format, bits, group size, act-order, symmetry)."""
+    pruning: dict[str, Any] | None = None
+    """``--prune``: what was removed from ``model`` (kiln.compiler.prune), and its accuracy cost."""
 
     @property
     def kind(self) -> str:

@@ -61,6 +61,10 @@ class CompileOptions:
     """int4 GPTQ: solve columns by descending Hessian diagonal, groups static (parameters from the original weights in
     the input order: no activation Gather in the graph): SmolLM2-135M group 128, 32 windows, held-out perplexity
     +26.9% -> +12.4% over FP32."""
+    prune: str | None = None
+    """Structured pruning before export: ``heads=R,ffn=R`` (fractions of every layer's heads / FFN channels)."""
+    prune_method: str = "flap"
+    """How pruned heads and channels are chosen: flap, wanda or magnitude (kiln.compiler.prune)."""
     asym: bool | None = None
     """int4: asymmetric groups (a zero point each); cpu target only. None: the recipe's choice (``int4_defaults``)."""
     lm_head: str | None = None

@@ -1,0 +1,116 @@
+"""Structured pruning: planted useless heads and channels are the ones removed, FLAP's bias compensation is exact
+for inputs that never vary, GQA grouping is kept, the artifact matches the pruned model, bad input fails clearly."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import fast_options
+
+from kiln.cli import main
+from kiln.compiler import compile
+from kiln.compiler import prune as P
+
+pytestmark = pytest.mark.slow
+
+
+def bert(seed=0):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    return BertModel(BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128)).eval()
+
+
+def llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def feeds(n=2):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 200, (8, 24), generator=g)
+    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("method", P.METHODS)
+def test_planted_useless_head_and_channels_are_removed(method):
+    """Head 2 of every layer writes through zero output columns; FFN channels 0-31 too: every method removes them."""
+    model = bert()
+    with torch.no_grad():
+        for layer in P.layers(model, 2):
+            layer.out.weight[:, 32:48] = 0
+            layer.ffn_out.weight[:, :32] = 0
+    rec = P.prune(model, 2, 4, 4, 16, P.Spec(0.25, 0.25, method), feeds(), lambda m: None)
+    assert all(r["heads_removed"] == [2] and r["ffn_removed"] == 32 for r in rec["layers"])
+    assert model.config.num_attention_heads == 3 and model.config.intermediate_size == 96
+    assert model(**feeds(1)[0])[0].shape == (8, 24, 64)
+
+
+def test_flap_bias_compensation_is_exact_for_constant_inputs():
+    """FFN channels 0-31 get a constant input (their intermediate rows zeroed, bias kept): removing them and folding
+    their mean contribution into the output bias leaves the model's output unchanged (magnitude has no bias fold)."""
+    model = bert()
+    with torch.no_grad():
+        for layer in P.layers(model, 2):
+            layer.ffn_in[0].weight[:32] = 0
+            layer.ffn_in[0].bias[:32] = torch.linspace(0.5, 2.0, 32)
+            layer.ffn_out.weight[:, :32] *= 50  # large weights: magnitude would keep them
+    f = feeds(1)[0]
+    ref = model(**f)[0]
+    flap, mag = copy.deepcopy(model), copy.deepcopy(model)
+    rec = P.prune(flap, 2, 4, 4, 16, P.Spec(0.0, 0.25, "flap"), feeds(), lambda m: None)
+    assert rec["ffn_per_layer"] == [128, 96]
+    flap_err = (flap(**f)[0] - ref).abs().max().item()
+    assert flap_err < 1e-4
+    P.prune(mag, 2, 4, 4, 16, P.Spec(0.0, 0.25, "magnitude"), [], lambda m: None)  # keeps the big constant ones
+    assert (mag(**f)[0] - ref).abs().max().item() > 10 * max(flap_err, 1e-5)
+
+
+def test_gqa_groups_are_kept():
+    """4 query heads over 2 KV heads, heads=0.5: one query head goes from each group, both KV heads stay."""
+    model = llama()
+    rec = P.prune(model, 2, 4, 2, 16, P.Spec(0.5, 0.0, "wanda"), feeds(), lambda m: None)
+    for r in rec["layers"]:
+        assert len([h for h in r["heads_removed"] if h < 2]) == 1 and len([h for h in r["heads_removed"] if h >= 2]) == 1
+    a = model.model.layers[0].self_attn
+    assert a.q_proj.out_features == 32 and a.k_proj.out_features == 32 and a.num_key_value_groups == 1
+    assert model.config.num_key_value_heads == 2 and model(**feeds(1)[0]).logits.shape == (8, 24, 200)
+
+
+def test_pruned_artifact_matches_the_pruned_model(checkpoints, tmp_path):
+    out = compile(checkpoints["bert"], tmp_path / "p", fast_options(prune="heads=0.5,ffn=0.25"))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["verification"]["status"] == "passed" and m["pruning"]["method"] == "flap"
+    h = m["pruning"]["heads_per_layer"]
+    assert h[1] < h[0] and next(p for p in m["passes"] if p["name"] == "fuse-attention")["stats"]["fused"] >= 1
+    assert 0 < m["pruning"]["cost"]["cosine_min"] <= 1
+
+
+def test_pruned_decoder_compiles(checkpoints, tmp_path):
+    out = compile(checkpoints["llama"], tmp_path / "d", fast_options(prune="ffn=0.5", prune_method="magnitude"))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["verification"]["status"] == "passed" and m["pruning"]["ffn_per_layer"][1] < m["pruning"]["ffn_per_layer"][0]
+    assert "ppl_increase_pct" in m["pruning"]["cost"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prune", "heads=1.0"], "in [0, 1)"),
+    (["--prune", "heads=-0.1"], "in [0, 1)"),
+    (["--prune", "layers=0.2"], "components heads, ffn"),
+    (["--prune", "ffn=0.2", "--prune-method", "obs"], "unknown"),
+    (["--prune-method", "wanda"], "add --prune"),
+    (["--prune", "heads=0.99"], "no attention heads"),
+])
+def test_bad_prune_input(checkpoints, tmp_path, capsys, flags, message):
+    out = tmp_path / "bad"
+    code = main(["compile", str(checkpoints["bert"]), "-o", str(out), *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 2 and len(err) == 1 and message in err[0]
+    assert not out.exists()
