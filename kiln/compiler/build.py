@@ -64,8 +64,9 @@ def _check_options(options: CompileOptions) -> None:
         raise UsageError("--prune-method chooses what --prune removes; add --prune heads=R,ffn=R")
     if (options.static or options.smoothquant is not None) and options.precision != "int8":
         raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
-    if (options.max_drop or options.calibration) and options.precision == "fp32":
-        raise UsageError("--max-drop and --calibration configure quantization; add --precision int8 or int4")
+    if (options.max_drop or options.calibration and not options.prune) and options.precision == "fp32":
+        raise UsageError("--max-drop and --calibration configure quantization (--calibration also --prune); "
+                         "add --precision int8 or int4")
     _check_int4(options)
     if options.calibration_method not in CALIBRATION_METHODS:
         raise UsageError(f"--calibration-method {options.calibration_method!r} is unknown; choose one of "

@@ -85,7 +85,10 @@ def test_gqa_groups_are_kept():
 
 
 def test_pruned_artifact_matches_the_pruned_model(checkpoints, tmp_path):
-    out = compile(checkpoints["bert"], tmp_path / "p", fast_options(prune="heads=0.5,ffn=0.25"))
+    texts = tmp_path / "texts.txt"  # --calibration serves --prune at FP32 too
+    texts.write_text("\n".join(f"the {w} sat on the mat and looked at the {v}" for w in ("cat", "dog", "bird")
+                               for v in ("door", "window", "garden", "sky")) + "\n")
+    out = compile(checkpoints["bert"], tmp_path / "p", fast_options(prune="heads=0.5,ffn=0.25", calibration=str(texts)))
     m = json.loads((out / "manifest.json").read_text())
     assert m["verification"]["status"] == "passed" and m["pruning"]["method"] == "flap"
     h = m["pruning"]["heads_per_layer"]
