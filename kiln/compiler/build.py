@@ -163,10 +163,10 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
     if spec.method != "magnitude" and not feeds:
         raise UsageError(f"--prune-method {spec.method} reads calibration text through the tokenizer; {ckpt.path} "
                          "has none (use --prune-method magnitude)")
-    original = copy.deepcopy(ckpt.model)
+    original = copy.deepcopy(ckpt.model) if ckpt.tokenizer is not None else None  # the cost needs text
     record = prune_lib.prune(ckpt.model, facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_size, spec,
                              feeds, say)
-    if ckpt.tokenizer is not None:
+    if original is not None:
         record["cost"] = prune_lib.cost(original, ckpt.model, prune_lib.torch_feeds(ckpt, held[:64]), ckpt.kind)
         say(f"prune cost on {record['cost']['texts']} held-out texts vs the original: "
             + ", ".join(f"{k} {v:.4g}" for k, v in record["cost"].items() if k != "texts"))
