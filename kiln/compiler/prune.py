@@ -25,6 +25,8 @@ from typing import Any
 from kiln.errors import UnsupportedModelError, UsageError
 
 METHODS = ("flap", "wanda", "magnitude")
+COST_KEYS = {"cosine": "cosine_min", "ppl": "ppl_increase_pct", "top1": "top1_agreement", "kl": "kl_mean"}
+"""--max-drop metric -> the ``cost`` entry that measures it."""
 COMPONENTS = ("heads", "ffn")
 
 
@@ -33,18 +35,22 @@ class Spec:
     heads: float = 0.0
     ffn: float = 0.0
     method: str = "flap"
+    auto: bool = False
+    """``--prune auto``: the largest equal heads/FFN ratio that meets ``--max-drop`` (``build.prune_checkpoint``)."""
 
 
 def parse(text: str, method: str = "flap") -> Spec:
-    """``heads=0.25,ffn=0.25`` -> Spec; every ratio in [0, 1)."""
+    """``heads=0.25,ffn=0.25`` -> Spec; every ratio in [0, 1). ``auto``: chosen under the budget."""
     if method not in METHODS:
         raise UsageError(f"--prune-method {method!r} is unknown; choose one of {', '.join(METHODS)}")
+    if text.strip() == "auto":
+        return Spec(method=method, auto=True)
     ratios: dict[str, float] = {}
     for part in text.split(","):
         name, _, value = part.strip().partition("=")
         if name not in COMPONENTS or not value:
             raise UsageError(f"--prune {text!r}: give COMPONENT=RATIO pairs, components {', '.join(COMPONENTS)} "
-                             "(e.g. heads=0.25,ffn=0.25)")
+                             "(e.g. heads=0.25,ffn=0.25), or auto with --max-drop")
         try:
             r = float(value)
         except ValueError as e:
