@@ -59,16 +59,15 @@ def _check_options(options: CompileOptions) -> None:
     if options.prune:
         from kiln.compiler import prune as prune_lib
 
-        prune_lib.parse(options.prune, options.prune_method)
+        if prune_lib.parse(options.prune, options.prune_method).auto and \
+                (not options.max_drop or options.precision != "fp32"):
+            raise UsageError("--prune auto chooses the ratio under --max-drop at FP32: add --max-drop METRIC=VALUE "
+                             "(with --precision int8/int4, give --prune ratios instead)")
     elif options.prune_method != CompileOptions.prune_method:
         raise UsageError("--prune-method chooses what --prune removes; add --prune heads=R,ffn=R")
     if (options.static or options.smoothquant is not None) and options.precision != "int8":
         raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
-    if options.prune and options.prune.strip() == "auto" and (not options.max_drop or options.precision != "fp32"):
-        raise UsageError("--prune auto chooses the ratio under --max-drop at FP32: add --max-drop METRIC=VALUE (with "
-                         "--precision int8/int4, give --prune ratios instead)")
-    if (options.max_drop and not options.prune or options.calibration and not options.prune) \
-            and options.precision == "fp32":
+    if (options.max_drop or options.calibration) and not options.prune and options.precision == "fp32":
         raise UsageError("--max-drop and --calibration configure quantization (--calibration also --prune); "
                          "add --precision int8 or int4")
     _check_int4(options)
@@ -172,7 +171,10 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
     if spec.auto:
         if original is None:
             raise UsageError(f"--prune auto measures --max-drop on text through the tokenizer; {ckpt.path} has none")
-        spec, auto = auto_ratio(original, facts, spec, options, prune_lib.torch_feeds(ckpt, cal[:64]), feeds, say)
+        from kiln.compiler.quantize.budget import parse_budget
+
+        budget = parse_budget(options.max_drop, ckpt.kind)
+        spec, auto = auto_ratio(original, facts, spec, budget, prune_lib.torch_feeds(ckpt, cal[:64]), feeds, say)
     record = prune_lib.prune(ckpt.model, facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_size, spec,
                              feeds, say)
     if original is not None:
@@ -180,9 +182,8 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
         say(f"prune cost on {record['cost']['texts']} held-out texts vs the original: "
             + ", ".join(f"{k} {v:.4g}" for k, v in record["cost"].items() if k != "texts"))
     if auto is not None:
-        from kiln.compiler.quantize.budget import AccuracyBudgetError, parse_budget
+        from kiln.compiler.quantize.budget import AccuracyBudgetError
 
-        budget = parse_budget(options.max_drop, ckpt.kind)
         auto["heldout"] = record["cost"][prune_lib.COST_KEYS[budget.metric]]
         record["auto"] = auto
         if not budget.holds(auto["heldout"]):
@@ -200,7 +201,7 @@ AUTO_MARGIN = 0.5
 FFN 1/16: calibration min cosine 0.9878, held-out 0.9778; the INT8 budget's three-quarters let that through)."""
 
 
-def auto_ratio(original: Any, facts: ModelFacts, spec: Any, options: CompileOptions, cal: list[dict[str, Any]],
+def auto_ratio(original: Any, facts: ModelFacts, spec: Any, budget: Any, cal: list[dict[str, Any]],
                stats_feeds: list[dict[str, Any]], say: Progress) -> tuple[Any, dict[str, Any]]:
     """``--prune auto``: the largest ratio whose cost on the calibration split meets ``--max-drop`` with half of the
     allowed drop to spare (``AUTO_MARGIN``), by bisection over ``AUTO_STEPS`` steps: step k removes k/AUTO_STEPS of the FFN
@@ -210,9 +211,8 @@ def auto_ratio(original: Any, facts: ModelFacts, spec: Any, options: CompileOpti
     from dataclasses import replace
 
     from kiln.compiler import prune as prune_lib
-    from kiln.compiler.quantize.budget import AccuracyBudgetError, parse_budget
+    from kiln.compiler.quantize.budget import AccuracyBudgetError
 
-    budget = parse_budget(options.max_drop, facts.kind)
     group = facts.num_heads // facts.num_kv_heads
     levels = group if group > 1 else facts.num_heads
     values: dict[int, float] = {}
@@ -236,8 +236,8 @@ def auto_ratio(original: Any, facts: ModelFacts, spec: Any, options: CompileOpti
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)
     if lo == 0:
         raise AccuracyBudgetError(
-            f"--prune auto --max-drop {options.max_drop}: even the smallest step (1/{AUTO_STEPS} of the FFN channels) "
-            f"measures {budget.metric} {values[1]:.5g} on calibration text; loosen the budget or give --prune ratios")
+            f"--prune auto --max-drop {budget.metric}={budget.value}: even the smallest step (1/{AUTO_STEPS} of the "
+            f"FFN channels) measures {budget.metric} {values[1]:.5g} on calibration text; loosen the budget or give --prune ratios")
     heads, ffn = ratios(lo)
     return (replace(spec, heads=heads, ffn=ffn, auto=False),
             {"metric": budget.metric, "budget": budget.value, "heads": heads, "ffn": ffn, "calibration": values[lo],
