@@ -41,6 +41,7 @@ bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/bench_int4_encoder.py
 	$(PY) tools/bench_int4.py
 	$(PY) tools/bench_prune.py
+	$(PY) tools/bench_prune_decoder.py
 
 clean:
 	rm -rf demo-out .pytest_cache

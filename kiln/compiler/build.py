@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from kiln.compiler.quantize import int8
 from kiln.compiler.scoped import torch_threads
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import verify_generation, verify_seq2seq
-from kiln.compiler.verify.parity import failures, latency, verify
+from kiln.compiler.verify.parity import failures, latency, median_latency_ms, verify
 from kiln.errors import ParityError, UnsupportedModelError, UsageError
 from kiln.passes import run_passes
 from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION, Manifest
@@ -59,12 +60,12 @@ def _check_options(options: CompileOptions) -> None:
     if options.prune:
         from kiln.compiler import prune as prune_lib
 
-        if prune_lib.parse(options.prune, options.prune_method).auto and \
+        if prune_lib.parse(options.prune, options.prune_method, options.prune_layers).auto and \
                 (not options.max_drop or options.precision != "fp32"):
             raise UsageError("--prune auto chooses the ratio under --max-drop at FP32: add --max-drop METRIC=VALUE "
                              "(with --precision int8/int4, give --prune ratios instead)")
-    elif options.prune_method != CompileOptions.prune_method:
-        raise UsageError("--prune-method chooses what --prune removes; add --prune heads=R,ffn=R")
+    elif options.prune_method != CompileOptions.prune_method or options.prune_layers != CompileOptions.prune_layers:
+        raise UsageError("--prune-method and --prune-layers choose what --prune removes; add --prune heads=R,ffn=R")
     if (options.static or options.smoothquant is not None) and options.precision != "int8":
         raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
     if (options.max_drop or options.calibration) and not options.prune and options.precision == "fp32":
@@ -135,7 +136,8 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
             f"{ckpt.imported['group_size']}: compiled with its own codes (no requantization)")
     options = int4_defaults(ckpt.kind, options)
     if options.prune:
-        ckpt = prune_checkpoint(ckpt, options, say)
+        with torch_threads(options.threads):
+            ckpt = prune_checkpoint(ckpt, options, say)
     if options.precision == "int4":
         int8.check_group_size(ckpt, options)
     if ckpt.tokenizer_problem:
@@ -156,7 +158,7 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
     from kiln.compiler import corpus
     from kiln.compiler import prune as prune_lib
 
-    spec = prune_lib.parse(options.prune, options.prune_method)
+    spec = prune_lib.parse(options.prune, options.prune_method, options.prune_layers)
     if ckpt.kind == "seq2seq" or ckpt.codebook is not None:
         raise UsageError(f"--prune: {ckpt.path} is {'an encoder-decoder' if ckpt.kind == 'seq2seq' else 'already quantized'}"
                          "; kiln prunes encoder-only and decoder-only FP32 checkpoints")
@@ -176,7 +178,7 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
         budget = parse_budget(options.max_drop, ckpt.kind)
         spec, auto = auto_ratio(original, facts, spec, budget, prune_lib.torch_feeds(ckpt, cal[:64]), feeds, say)
     record = prune_lib.prune(ckpt.model, facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_size, spec,
-                             feeds, say)
+                             feeds, say, kv_cache=facts.kind == "decoder")
     if original is not None:
         record["cost"] = prune_lib.cost(original, ckpt.model, prune_lib.torch_feeds(ckpt, held[:64]), ckpt.kind)
         say(f"prune cost on {record['cost']['texts']} held-out texts vs the original: "
@@ -190,6 +192,11 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
             raise AccuracyBudgetError(
                 f"--prune auto --max-drop {options.max_drop}: heads {auto['heads']:.3g} / FFN {auto['ffn']:.3g} met it on calibration "
                 f"({auto['calibration']:.5g}) but not on held-out text ({auto['heldout']:.5g}); loosen the budget")
+    if original is not None:  # the speed side of the cost: the original eager model, timed as verification times
+        inputs = [s.name for s in trace.io_specs(ckpt)[0]]
+        feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
+        record["original_eager_ms"] = median_latency_ms(trace.EagerRunner(replace(ckpt, model=original)), feeds,
+                                                        budget_s=options.latency_budget_s / 2)
     del original
     return replace(ckpt, pruning=record)
 
@@ -225,7 +232,8 @@ def auto_ratio(original: Any, facts: ModelFacts, spec: Any, budget: Any, cal: li
             trial = copy.deepcopy(original)
             heads, ffn = ratios(k)
             prune_lib.prune(trial, facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_size,
-                            replace(spec, heads=heads, ffn=ffn, auto=False), stats_feeds, lambda m: None)
+                            replace(spec, heads=heads, ffn=ffn, auto=False), stats_feeds, lambda m: None,
+                            kv_cache=facts.kind == "decoder")
             values[k] = prune_lib.cost(original, trial, cal, facts.kind)[prune_lib.COST_KEYS[budget.metric]]
             say(f"prune auto: heads {heads:.3g}, FFN {ffn:.3g} -> calibration {budget.metric} {values[k]:.5g}")
         return budget.drop(values[k]) <= AUTO_MARGIN * budget.limit
@@ -242,6 +250,15 @@ def auto_ratio(original: Any, facts: ModelFacts, spec: Any, budget: Any, cal: li
     return (replace(spec, heads=heads, ffn=ffn, auto=False),
             {"metric": budget.metric, "budget": budget.value, "heads": heads, "ffn": ffn, "calibration": values[lo],
              "candidates": len(values)})
+
+
+def fp64_fits(ckpt: Checkpoint) -> bool:
+    """A float64 copy of the model (FP32 parity's rounding check) fits in a third of the memory available now."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such counter here: only the total is known
+        available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return sum(p.numel() for p in ckpt.model.parameters()) * 8 < available / 3
 
 
 def model_facts(ckpt: Checkpoint) -> ModelFacts:
@@ -262,8 +279,9 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
             "num_hidden_layers / num_attention_heads / hidden_size); kiln compiles attention Transformers")
     kv = first("num_key_value_heads") or heads
     head_size = first("head_dim") or int(hidden) // int(heads)
+    per_layer = tuple(ckpt.pruning["heads_per_layer"]) if ckpt.pruning else ()
     return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), int(head_size), ckpt.max_length,
-                      sliding_windows(cfg, int(layers)))
+                      sliding_windows(cfg, int(layers)), heads_per_layer=per_layer)
 
 
 def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:
@@ -433,7 +451,8 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                     (kr.open_manifest(Manifest(exact_dir, data), threads=options.threads, session_config=EXACT_SESSION)
                      if exact_dir
                      else contextlib.nullcontext()) as exact_artifact:
-                report = verify(eager, artifact, cases, options.precision, say)
+                report = verify(eager, artifact, cases, options.precision, say,
+                                exact=(lambda: trace.EagerRunner.exact(ckpt)) if fp64_fits(ckpt) else None)
                 if codes is not None:
                     say("verify the codes: the graph with FP32 activations (accuracy_level 0) vs the fake-quantized model")
                     exact = verify(trace.EagerRunner(dataclasses.replace(ckpt, model=codes)), exact_artifact, cases,
@@ -469,4 +488,18 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
     summary = int8.cost_and_gain(data["passes"], report)
     if summary:
         report["quantization"] = summary
+    if ckpt.pruning is not None:
+        report["pruning"] = pruning_summary(ckpt.pruning, report.get("latency"))
     return report
+
+
+def pruning_summary(pruning: dict[str, Any], lat: dict[str, Any] | None) -> dict[str, Any]:
+    """What --prune removed and cost (against the original, held-out text) next to what it gained: the artifact's
+    latency against the original eager model, timed on the same feeds as verification's latency."""
+    out = {k: pruning[k] for k in ("method", "adaptive", "original", "heads_per_layer", "ffn_per_layer", "cost")
+           if k in pruning}
+    if lat and pruning.get("original_eager_ms"):
+        out["original_eager_ms"] = pruning["original_eager_ms"]
+        out["speedup_vs_original_eager"] = pruning["original_eager_ms"] / lat["artifact_ms"]
+        out["eager_speedup"] = pruning["original_eager_ms"] / lat["eager_ms"]
+    return out

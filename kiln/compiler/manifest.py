@@ -137,6 +137,8 @@ def verification(report: dict[str, Any], options: CompileOptions) -> dict[str, A
         out["latency"] = dict(report["latency"], measured_on=f"{on['backend']} {on['device']}")
     if report.get("quantization"):
         out["quantization"] = report["quantization"]
+    if report.get("pruning"):
+        out["pruning"] = report["pruning"]
     if "generation" in report:
         out["generation"] = {k: report["generation"][k] for k in
                              ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}

@@ -65,6 +65,8 @@ class CompileOptions:
     """Structured pruning before export: ``heads=R,ffn=R`` (fractions of every layer's heads / FFN channels)."""
     prune_method: str = "flap"
     """How pruned heads and channels are chosen: flap, wanda or magnitude (kiln.compiler.prune)."""
+    prune_layers: str = "uniform"
+    """uniform (the same count from every layer) or adaptive (FLAP's across-layer ranking: per-layer counts)."""
     asym: bool | None = None
     """int4: asymmetric groups (a zero point each); cpu target only. None: the recipe's choice (``int4_defaults``)."""
     lm_head: str | None = None

@@ -55,6 +55,8 @@ class ModelFacts:
     """Per layer, in graph order: the attention window, or None for full attention."""
     attentions_per_layer: int = 1
     """Attention blocks per layer in this graph (an encoder-decoder's decoder: self + cross)."""
+    heads_per_layer: tuple[int, ...] = ()
+    """Per layer, in graph order: the query heads it keeps after ``--prune`` (empty: ``num_heads`` everywhere)."""
 
 
 @dataclass
@@ -91,8 +93,9 @@ STAGES: dict[str, Stage] = {
     "fold-constants": Stage(lambda f, o, d: FoldConstants()),
     "dedup-initializers": Stage(lambda f, o, d: DeduplicateInitializers()),
     "eliminate-unused-io": Stage(lambda f, o, d: EliminateUnusedIO()),
-    "fuse-attention": Stage(lambda f, o, d: FuseAttention(num_heads=f.num_heads), coverage="fused"),
-    "fuse-gqa": Stage(lambda f, o, d: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows),
+    "fuse-attention": Stage(lambda f, o, d: FuseAttention(head_size=f.head_size), coverage="fused"),
+    "fuse-gqa": Stage(lambda f, o, d: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows,
+                                                                      heads_per_layer=f.heads_per_layer),
                       coverage="fused"),
     "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers"),
     "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(f.num_heads, f.head_size), coverage="fused"),

@@ -1,7 +1,7 @@
 """Structured pruning of the eager model before export: whole attention heads and whole FFN channels.
 
-``--prune heads=R,ffn=R`` removes that fraction of every layer's query heads and FFN channels (the same count
-in every layer, so the fused attention kernels see one head count), chosen on calibration text:
+``--prune heads=R,ffn=R`` removes that fraction of every layer's query heads and FFN channels, chosen on
+calibration text:
 - ``magnitude``: the weights only (no data): the norm of the output projection's columns a head or channel
   writes through (``o_proj``/``attention.output.dense``, ``down_proj``/``output.dense``);
 - ``wanda``: |W| times the norm of the column's input over calibration tokens, summed per head or channel;
@@ -10,6 +10,12 @@ in every layer, so the fused attention kernels see one head count), chosen on ca
   projection's bias (exact when a removed input never varies).
 Grouped-query models drop the same number of query heads inside every KV group (the grouped kernel still
 applies); when a group holds one query head the whole KV head goes with it.
+
+Per-layer counts: by default the same count leaves every layer. ``--prune-layers adaptive`` takes the same
+total where FLAP's per-layer standardised scores are lowest across the model (FLAP's structure search), so
+layers keep different head and channel counts (recorded per layer; the fusion passes read them). Measured on
+the two real models here it costs more than uniform counts (README, Pruning), hence not the default. A decoder
+whose KV groups hold one query head keeps uniform head counts (one KV-cache layout for every layer).
 
 Families: BERT-style encoders (``attention.self.query/key/value``, ``attention.output.dense``,
 ``intermediate.dense``, ``output.dense``) and Llama-style decoders (``self_attn.q/k/v/o_proj``,
@@ -28,6 +34,7 @@ METHODS = ("flap", "wanda", "magnitude")
 COST_KEYS = {"cosine": "cosine_min", "ppl": "ppl_increase_pct", "top1": "top1_agreement", "kl": "kl_mean"}
 """--max-drop metric -> the ``cost`` entry that measures it."""
 COMPONENTS = ("heads", "ffn")
+PER_LAYER = ("uniform", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -37,14 +44,20 @@ class Spec:
     method: str = "flap"
     auto: bool = False
     """``--prune auto``: the largest equal heads/FFN ratio that meets ``--max-drop`` (``build.prune_checkpoint``)."""
+    adaptive: bool = False
+    """``--prune-layers adaptive``: per-layer counts from one across-layer ranking of standardised scores (FLAP's
+    structure search) instead of the same count in every layer."""
 
 
-def parse(text: str, method: str = "flap") -> Spec:
+def parse(text: str, method: str = "flap", per_layer: str = "uniform") -> Spec:
     """``heads=0.25,ffn=0.25`` -> Spec; every ratio in [0, 1). ``auto``: chosen under the budget."""
     if method not in METHODS:
         raise UsageError(f"--prune-method {method!r} is unknown; choose one of {', '.join(METHODS)}")
+    if per_layer not in PER_LAYER:
+        raise UsageError(f"--prune-layers {per_layer!r} is unknown; choose one of {', '.join(PER_LAYER)}")
+    adaptive = per_layer == "adaptive"
     if text.strip() == "auto":
-        return Spec(method=method, auto=True)
+        return Spec(method=method, auto=True, adaptive=adaptive)
     ratios: dict[str, float] = {}
     for part in text.split(","):
         name, _, value = part.strip().partition("=")
@@ -58,7 +71,7 @@ def parse(text: str, method: str = "flap") -> Spec:
         if not 0 <= r < 1:
             raise UsageError(f"--prune {text!r}: a ratio is in [0, 1) (got {name}={value})")
         ratios[name] = r
-    return Spec(ratios.get("heads", 0.0), ratios.get("ffn", 0.0), method)
+    return Spec(ratios.get("heads", 0.0), ratios.get("ffn", 0.0), method, adaptive=adaptive)
 
 
 @dataclass
@@ -134,8 +147,9 @@ def column_scores(w: Any, inputs: Inputs | None, method: str) -> Any:
 
 
 def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, spec: Spec,
-          feeds: Sequence[dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
-    """Prune ``model`` in place (and its config); return what was removed, per layer."""
+          feeds: Sequence[dict[str, Any]], say: Callable[[str], None], kv_cache: bool = False) -> dict[str, Any]:
+    """Prune ``model`` in place (and its config); return what was removed, per layer. ``kv_cache``: a decoder,
+    whose KV heads must stay the same in every layer (one cache layout), so whole-KV-head removal stays uniform."""
     import torch
 
     found = layers(model, num_layers)
@@ -153,36 +167,17 @@ def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_s
         finally:
             for h in hooks:
                 h.remove()
-    group = num_heads // num_kv_heads
-    drop_per_group = round(spec.heads * group) if group > 1 else 0
-    drop_kv = round(spec.heads * num_kv_heads) if group == 1 else 0
-    heads_left = num_heads - drop_per_group * num_kv_heads - drop_kv * group
-    if spec.heads and heads_left == num_heads:
-        raise UsageError(f"--prune heads={spec.heads}: rounds to no head of {num_heads} (KV groups of {group}); "
-                         f"give at least {1 / (group if group > 1 else num_kv_heads):.3g}")
-    if heads_left < 1:
-        raise UsageError(f"--prune heads={spec.heads} would leave a layer with no attention heads; give less")
-    record = []
     inter = found[0].ffn_out.in_features
-    drop_ffn = int(round(spec.ffn * inter))
-    if drop_ffn >= inter:
-        raise UsageError(f"--prune ffn={spec.ffn} would leave a layer with no FFN channels; give less")
+    head_scores, ch_scores = [], []
     for i, layer in enumerate(found):
         head_in, ffn_in = stats.get(i, (None, None))
-        col = column_scores(layer.out.weight, head_in, spec.method)
-        per_head = col.reshape(num_heads, head_size).sum(1)
-        keep_heads = []
-        if drop_kv:  # one query head per KV head: whole KV heads go
-            keep_kv = sorted(per_head.argsort(descending=True)[:num_kv_heads - drop_kv].tolist())
-            keep_heads = keep_kv
-        else:
-            keep_kv = list(range(num_kv_heads))
-            for g in range(num_kv_heads):
-                members = per_head[g * group:(g + 1) * group]
-                kept = sorted(members.argsort(descending=True)[:group - drop_per_group].tolist())
-                keep_heads += [g * group + k for k in kept]
-        ch = column_scores(layer.ffn_out.weight, ffn_in, spec.method)
-        keep_ch = sorted(ch.argsort(descending=True)[:inter - drop_ffn].tolist())
+        head_scores.append(column_scores(layer.out.weight, head_in, spec.method))
+        ch_scores.append(column_scores(layer.ffn_out.weight, ffn_in, spec.method))
+    plan = Plan.make(spec, head_scores, ch_scores, num_heads, num_kv_heads, head_size, kv_cache)
+    record = []
+    for i, layer in enumerate(found):  # every count checked in the plan: from here on the model changes
+        head_in, ffn_in = stats.get(i, (None, None))
+        keep_heads, keep_kv, keep_ch = plan.heads[i], plan.kv[i], plan.channels[i]
         removed_heads = sorted(set(range(num_heads)) - set(keep_heads))
         removed_ch = sorted(set(range(inter)) - set(keep_ch))
         head_cols = [h * head_size + j for h in keep_heads for j in range(head_size)]
@@ -202,18 +197,118 @@ def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_s
                 _rows(lin, keep_ch)
             _cols(layer.ffn_out, keep_ch)
         _update_attention(layer.attn, len(keep_heads), len(keep_kv), head_size)
-        record.append({"layer": i, "heads_removed": removed_heads, "ffn_removed": len(removed_ch)})
+        record.append({"layer": i, "heads": len(keep_heads), "ffn": len(keep_ch), "heads_removed": removed_heads,
+                       "ffn_removed": len(removed_ch)})
+    heads_per_layer = [r["heads"] for r in record]
+    ffn_per_layer = [r["ffn"] for r in record]
     cfg = model.config
     cfg.head_dim = head_size
-    cfg.num_attention_heads = heads_left
+    cfg.num_attention_heads = max(heads_per_layer)  # per layer: the record (and ModelFacts.heads_per_layer)
     if hasattr(cfg, "num_key_value_heads"):
-        cfg.num_key_value_heads = num_kv_heads - drop_kv
-    cfg.intermediate_size = inter - drop_ffn
-    say(f"prune ({spec.method}): heads {num_heads} -> {heads_left} per layer, FFN channels {inter} -> "
-        f"{inter - drop_ffn}")
-    return {"method": spec.method, "heads": spec.heads, "ffn": spec.ffn, "heads_per_layer": [num_heads, heads_left],
-            "kv_heads_per_layer": [num_kv_heads, num_kv_heads - drop_kv], "ffn_per_layer": [inter, inter - drop_ffn],
+        cfg.num_key_value_heads = len(plan.kv[0])
+    cfg.intermediate_size = max(ffn_per_layer)
+    say(f"prune ({spec.method}{', per-layer counts' if plan.adaptive else ''}): heads {num_heads} -> "
+        f"{_span(heads_per_layer)} per layer, FFN channels {inter} -> {_span(ffn_per_layer)}")
+    return {"method": spec.method, "heads": spec.heads, "ffn": spec.ffn, "adaptive": plan.adaptive,
+            "original": {"heads": num_heads, "kv_heads": num_kv_heads, "ffn": inter},
+            "kv_heads": len(plan.kv[0]), "heads_per_layer": heads_per_layer, "ffn_per_layer": ffn_per_layer,
+            "heads_removed_total": num_layers * num_heads - sum(heads_per_layer),
+            "ffn_removed_total": num_layers * inter - sum(ffn_per_layer),
             "calibration_tokens": sum(int(f["attention_mask"].sum()) for f in feeds) if stats else 0, "layers": record}
+
+
+def _span(counts: list[int]) -> str:
+    return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
+
+
+def _standardised(x: Any) -> Any:
+    """FLAP's per-layer standardisation: scores of one layer to zero mean and unit deviation, so one global
+    threshold compares layers whose raw scores differ by orders of magnitude."""
+    sd = x.std()
+    return (x - x.mean()) / (sd if float(sd) > 0 else 1.0)
+
+
+@dataclass
+class Plan:
+    """What every layer keeps (query heads, KV heads, FFN channels: sorted indices), decided before any change."""
+
+    heads: list[list[int]]
+    kv: list[list[int]]
+    channels: list[list[int]]
+    adaptive: bool
+
+    @classmethod
+    def make(cls, spec: Spec, head_scores: list[Any], ch_scores: list[Any], num_heads: int, num_kv_heads: int,
+             head_size: int, kv_cache: bool) -> Plan:
+        """Uniform (the default): the same count leaves every layer. Adaptive: the same total leaves the model,
+        taken where the per-layer standardised scores are lowest (FLAP's across-layer structure); query heads by
+        group slots (a layer drops its k weakest heads in every KV group together), whole KV heads only where no
+        KV cache fixes their count."""
+        layers, inter = len(head_scores), ch_scores[0].numel()
+        group = num_heads // num_kv_heads
+        drop_per_group = round(spec.heads * group) if group > 1 else 0
+        drop_kv = round(spec.heads * num_kv_heads) if group == 1 else 0
+        heads_left = num_heads - drop_per_group * num_kv_heads - drop_kv * group
+        if spec.heads and heads_left == num_heads:
+            raise UsageError(f"--prune heads={spec.heads}: rounds to no head of {num_heads} (KV groups of {group}); "
+                             f"give at least {1 / (group if group > 1 else num_kv_heads):.3g}")
+        if heads_left < 1:
+            raise UsageError(f"--prune heads={spec.heads} would leave a layer with no attention heads; give less")
+        drop_ffn = int(round(spec.ffn * inter))
+        if drop_ffn >= inter:
+            raise UsageError(f"--prune ffn={spec.ffn} would leave a layer with no FFN channels; give less")
+        adaptive = spec.adaptive and layers > 1
+        # units a layer can lose, weakest first, each with the score it is ranked by
+        per_head = [s.reshape(num_heads, head_size) for s in head_scores]
+        if adaptive:  # FLAP squares the attention scores before standardising them
+            per_head = [_standardised(s * s) for s in per_head]
+        per_head = [(s.mean(1) if adaptive else s.sum(1)).tolist() for s in per_head]
+        order_in_group = [[sorted(range(g * group, (g + 1) * group), key=lambda h, s=s: (s[h], h))
+                           for g in range(num_kv_heads)] for s in per_head]
+        if group > 1:
+            unit_scores = [[sum(s[order[g][k]] for g in range(num_kv_heads)) / num_kv_heads
+                            for k in range(group - 1)] for s, order in zip(per_head, order_in_group)]
+            per_layer_units, cap = drop_per_group, group - 1
+        else:
+            kv_order = [sorted(range(num_kv_heads), key=lambda h, s=s: (s[h], h)) for s in per_head]
+            unit_scores = [[s[h] for h in order[:-1]] for s, order in zip(per_head, kv_order)]
+            per_layer_units, cap = drop_kv, num_kv_heads - 1
+        head_units = _counts(unit_scores, per_layer_units, cap, adaptive and not (group == 1 and kv_cache))
+        ch = [(_standardised(s) if adaptive else s).tolist() for s in ch_scores]
+        ch_order = [sorted(range(inter), key=lambda c, s=s: (s[c], c)) for s in ch]
+        ffn_units = _counts([[s[c] for c in order[:-1]] for s, order in zip(ch, ch_order)], drop_ffn, inter - 1,
+                            adaptive)
+        heads: list[list[int]] = []
+        kv: list[list[int]] = []
+        channels: list[list[int]] = []
+        for i in range(layers):
+            if group > 1:
+                gone = {order_in_group[i][g][k] for g in range(num_kv_heads) for k in range(head_units[i])}
+                kv.append(list(range(num_kv_heads)))
+                heads.append([h for h in range(num_heads) if h not in gone])
+            else:
+                kept = sorted(kv_order[i][head_units[i]:])
+                kv.append(kept)
+                heads.append(kept)
+            channels.append(sorted(ch_order[i][ffn_units[i]:]))
+        return cls(heads, kv, channels, adaptive)
+
+
+def _counts(unit_scores: list[list[float]], per_layer: int, cap: int, adaptive: bool) -> list[int]:
+    """How many of its weakest units each layer loses: ``per_layer`` everywhere, or (adaptive) the same total
+    taken lowest-score first across layers, at most ``cap`` from one layer. ``unit_scores[i]``: layer i's
+    units weakest first."""
+    layers = len(unit_scores)
+    if not adaptive or not per_layer:
+        return [per_layer] * layers
+    ranked = sorted((score, k, i) for i, scores in enumerate(unit_scores) for k, score in enumerate(scores[:cap]))
+    counts, left = [0] * layers, per_layer * layers
+    for _, k, i in ranked:  # a layer's scores ascend, so its units come in order (k == counts[i])
+        if not left:
+            break
+        counts[i] += 1
+        left -= 1
+    return counts
 
 
 def _rows(lin: Any, keep: list[int]) -> None:

@@ -129,9 +129,20 @@ class EagerRunner:
         inputs, outputs = io_specs(ckpt)
         self.input_names = [s.name for s in inputs]
         self.output_names = [s.name for s in outputs]
+        self.fp64 = False
+
+    @classmethod
+    def exact(cls, ckpt: Checkpoint) -> EagerRunner:
+        """The same model in float64 (a copy): the exact answer FP32 rounding is measured against."""
+        import copy
+        import dataclasses
+
+        runner = cls(dataclasses.replace(ckpt, model=copy.deepcopy(ckpt.model).double()))
+        runner.fp64 = True
+        return runner
 
     def run(self, feeds):
         args = [torch.from_numpy(feeds[n]) for n in self.input_names if n in feeds]
         with torch.inference_mode():
             outs = self.module(*args)
-        return {n: o.float().numpy() for n, o in zip(self.output_names, outs)}
+        return {n: (o.double() if self.fp64 else o.float()).numpy() for n, o in zip(self.output_names, outs)}

@@ -51,11 +51,33 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"| {k} | {v} |" for k, v in _rows(result)]
     lines += ["", "| output | max abs err | mean abs err | p99 abs err |", "|---|---|---|---|"]
     lines += [f"| {n} | {s['max_abs']:.4g} | {s['mean_abs']:.4g} | {s['p99_abs']:.4g} |" for n, s in result["outputs"].items()]
+    if result.get("pruning"):
+        lines += ["", pruned_line(result["pruning"])]
     if result.get("layers"):
+        kept = "heads" in result["layers"][0]
         lines += ["", "Where the error enters (each layer's output vs the artifact tensor carrying it):", "",
-                  "| layer | relative error | artifact tensor |", "|---|---|---|"]
-        lines += [f"| {r['layer']} | {r['relative_error']:.3g} | `{r['tensor']}` |" for r in result["layers"]]
+                  "| layer | relative error | artifact tensor |" + (" heads kept | FFN kept |" if kept else ""),
+                  "|---|---|---|" + ("---|---|" if kept else "")]
+        lines += [f"| {r['layer']} | {r['relative_error']:.3g} | `{r['tensor']}` |"
+                  + (f" {r.get('heads', '')} | {r.get('ffn', '')} |" if kept else "") for r in result["layers"]]
     return "\n".join(lines) + "\n"
+
+
+def pruned_line(p: dict[str, Any]) -> str:
+    """One sentence: what --prune removed per layer and what compile measured it cost on held-out text."""
+    def span(counts: list[int]) -> str:
+        return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
+
+    o = p.get("original", {})
+    text = (f"Pruned ({p.get('method')}, {'adaptive' if p.get('adaptive') else 'uniform'} per-layer counts): heads "
+            f"{o.get('heads', '?')} -> {span(p['heads_per_layer'])}, FFN channels {o.get('ffn', '?')} -> "
+            f"{span(p['ffn_per_layer'])} per layer; against the original checkpoint the layer errors below are what "
+            "pruning (and the precision) cost there")
+    cost = p.get("compile_cost")
+    if cost:
+        text += "; compile measured " + ", ".join(f"{LABELS.get(k, k)} {v:.4g}" for k, v in cost.items() if k != "texts")
+        text += f" on {cost.get('texts')} held-out texts"
+    return text + "."
 
 
 def _figure() -> tuple[Any, Any]:
@@ -110,8 +132,11 @@ def page(result: dict[str, Any], images: list[tuple[str, str]]) -> str:
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in _rows(result))
     outs = "".join(f"<tr><td>{esc(n)}</td><td>{s['max_abs']:.4g}</td><td>{s['mean_abs']:.4g}</td><td>{s['p99_abs']:.4g}</td></tr>"
                    for n, s in result["outputs"].items())
-    layers = "".join(f"<tr><td>{r['layer']}</td><td>{r['relative_error']:.3g}</td><td><code>{esc(r['tensor'])}</code></td></tr>"
+    kept = bool(result.get("layers")) and "heads" in result["layers"][0]
+    layers = "".join(f"<tr><td>{r['layer']}</td><td>{r['relative_error']:.3g}</td><td><code>{esc(r['tensor'])}</code></td>"
+                     + (f"<td>{r.get('heads', '')}</td><td>{r.get('ffn', '')}</td>" if kept else "") + "</tr>"
                      for r in result.get("layers", []))
+    pruned = f"<p>{esc(pruned_line(result['pruning']))}</p>" if result.get("pruning") else ""
     figs = "".join(f"<figure><img alt=\"{esc(t)}\" src=\"data:image/png;base64,{b}\"><figcaption>{esc(t)}</figcaption></figure>"
                    for t, b in images)
     return f"""<!doctype html>
@@ -123,8 +148,8 @@ td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:left}}figure{{display:
 <code>{esc(result['data']['path'])}</code> ({result['data']['texts']} texts, {result['data']['tokens']} tokens)</p>
 <table><tr><th>metric</th><th>value</th></tr>{rows}</table>
 <h2>Outputs</h2><table><tr><th>output</th><th>max abs err</th><th>mean abs err</th><th>p99 abs err</th></tr>{outs}</table>
-<h2>Where the error enters</h2><p>Each layer's output against the artifact tensor carrying it (relative error).</p>
-<table><tr><th>layer</th><th>relative error</th><th>artifact tensor</th></tr>{layers}</table>
+<h2>Where the error enters</h2><p>Each layer's output against the artifact tensor carrying it (relative error).</p>{pruned}
+<table><tr><th>layer</th><th>relative error</th><th>artifact tensor</th>{"<th>heads kept</th><th>FFN kept</th>" if kept else ""}</tr>{layers}</table>
 <h2>Plots</h2>{figs}
 </body></html>
 """

@@ -88,11 +88,26 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
         result["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
         say("report: per-layer error")
         result["layers"] = layer_errors(Path(artifact), model, ckpt, rows[:8], o.threads)
+    pruning = model.manifest.data.get("pruning")
+    if pruning:  # against the original checkpoint, each layer's error is what pruning (and precision) cost there
+        result["pruning"] = pruning_summary(pruning)
+        kept = {r["layer"] + 1: r for r in pruning.get("layers", [])}  # hidden_states[i] is layer i-1's output
+        for r in result["layers"]:
+            if r["layer"] in kept:
+                r |= {"heads": kept[r["layer"]]["heads"], "ffn": kept[r["layer"]]["ffn"]}
     say("report: latency distribution")
     result["latency"] = latency_distribution(model, rows, o.latency_s)
     render.write(result, errors, Path(out))
     say(f"report: wrote {Path(out) / 'report.json'}, report.md, report.html")
     return result
+
+
+def pruning_summary(pruning: dict[str, Any]) -> dict[str, Any]:
+    """What ``--prune`` removed (from the manifest), and the cost compile measured on its held-out split."""
+    out = {k: pruning[k] for k in ("method", "adaptive", "original", "heads_per_layer", "ffn_per_layer") if k in pruning}
+    if "cost" in pruning:
+        out["compile_cost"] = pruning["cost"]
+    return out
 
 
 def _feeds(ids: list[int]) -> dict[str, np.ndarray]:

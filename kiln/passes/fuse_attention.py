@@ -5,7 +5,10 @@ Recognised attention cores, each a rule with its own matcher:
 - the exporter's standard ONNX ``Attention`` op (opset 23) on (B, nh, S, hd) inputs;
 - the explicit chain MatMul(Q, Kᵀ) -> scale (Mul/Div) -> [mask Add] -> Softmax -> MatMul(V).
 Both must be fed by Reshape+Transpose head splits of MatMul(+bias) projections of one input, and
-followed by Transpose+Reshape back to (B, S, H). A candidate that does not fit says why.
+followed by Transpose+Reshape back to (B, S, H); the exporter writes an identity Reshape to (B, -1, S, hd)
+before that Transpose when a layer keeps one head (pruning), which is recognised and removed with it.
+The head count is read per layer from the Q projection's width and the head size (pruned layers may keep
+different counts). A candidate that does not fit says why.
 
 Why not onnxscript's ``rewriter.ort_fusions`` (0.7.2): on the graphs torch.onnx's dynamo exporter writes
 at opset 23 (the standard ``Attention`` op) it fuses no attention at all (sdpa/mha/attention counts 0 on
@@ -144,6 +147,23 @@ def match_explicit_chain(g: Graph, sm: onnx.NodeProto) -> Core:
                 False, tuple(masks[1:]))
 
 
+def _identity_head_reshape(g: Graph, out: str, q_split: onnx.NodeProto, head_size: int) -> onnx.NodeProto | None:
+    """The Reshape of the attention output (B, nh, S, hd) to (B, -1, S, hd) that the exporter writes for a
+    one-head layer, else None. Identity only when its target's batch and sequence are the same Shape slices
+    the Q head split (B, S, -1, hd) uses: anything else is left for the merge check to refuse."""
+    rs = g.only_consumer(out, "Reshape")
+    if rs is None:
+        return None
+    target, q_target = g.producer.get(rs.input[1]), g.producer.get(q_split.input[1])
+    if target is None or q_target is None or target.op_type != "Concat" or q_target.op_type != "Concat" or \
+            len(target.input) != 4 or len(q_target.input) != 4:
+        return None
+    minus_one, size = g.constant(target.input[1]), g.constant(target.input[3])
+    if minus_one is None or size is None or minus_one.tolist() != [-1] or size.tolist() != [head_size]:
+        return None
+    return rs if (target.input[0], target.input[2]) == (q_target.input[0], q_target.input[1]) else None
+
+
 def attention_candidates(g: Graph) -> list[str]:
     """Handles of every attention core's anchor: the exporter's Attention ops, then explicit Softmaxes."""
     return g.nodes_of("Attention") + g.nodes_of("Softmax")
@@ -158,8 +178,8 @@ class FuseAttention(Pass):
 
     name = "fuse-attention"
 
-    def __init__(self, num_heads: int, mask_input: str = "attention_mask") -> None:
-        self.num_heads = num_heads
+    def __init__(self, head_size: int, mask_input: str = "attention_mask") -> None:
+        self.head_size = head_size
         self.mask_input = mask_input
 
     def run(self, model: onnx.ModelProto) -> PassResult:
@@ -197,9 +217,11 @@ class FuseAttention(Pass):
         if not (q.weight.shape == k.weight.shape == v.weight.shape):
             raise NoMatch(f"Q/K/V weights differ in shape {q.weight.shape}, {k.weight.shape}, {v.weight.shape}")
         hidden = q.weight.shape[1]
-        if hidden % self.num_heads:
-            raise NoMatch(f"hidden size {hidden} is not divisible by {self.num_heads} heads")
-        merge_tr = g.only_consumer(core.out, "Transpose")
+        if hidden % self.head_size:
+            raise NoMatch(f"query width {hidden} is not a whole number of heads of size {self.head_size}")
+        num_heads = hidden // self.head_size
+        identity = _identity_head_reshape(g, core.out, q.nodes[-2], self.head_size)
+        merge_tr = g.only_consumer(identity.output[0] if identity is not None else core.out, "Transpose")
         merge_rs = g.only_consumer(merge_tr.output[0], "Reshape") if merge_tr is not None else None
         if _perm(merge_tr) != [0, 2, 1, 3] or merge_rs is None:
             raise NoMatch("attention output is not merged back by Transpose(0,2,1,3) + Reshape")
@@ -220,8 +242,9 @@ class FuseAttention(Pass):
                 new.append(helper.make_node("Cast", [self.mask_input], [mask_index], name=g.fresh("CastMask"),
                                             to=onnx.TensorProto.INT32))
             inputs.append(mask_index)
-        scale = core.scale if core.scale is not None else 1.0 / math.sqrt(hidden // self.num_heads)
+        scale = core.scale if core.scale is not None else 1.0 / math.sqrt(self.head_size)
         new.append(helper.make_node("Attention", inputs, [merge_rs.output[0]], name=g.fresh("Attention"),
-                                    domain=MS_DOMAIN, num_heads=self.num_heads, scale=float(scale)))
-        remove = core.nodes + [n for p in (q, k, v) for n in p.nodes] + [merge_tr, merge_rs]
+                                    domain=MS_DOMAIN, num_heads=num_heads, scale=float(scale)))
+        remove = core.nodes + [n for p in (q, k, v) for n in p.nodes] + [merge_tr, merge_rs] + \
+            ([identity] if identity is not None else [])
         return new, remove, mask_index

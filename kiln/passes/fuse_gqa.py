@@ -50,8 +50,9 @@ class FuseGroupQueryAttention(Pass):
 
     def __init__(self, num_heads: int, num_kv_heads: int, max_length: int,
                  sliding_windows: tuple[int | None, ...] = (), mask_input: str = "attention_mask",
-                 ids_input: str = "input_ids") -> None:
+                 ids_input: str = "input_ids", heads_per_layer: tuple[int, ...] = ()) -> None:
         self.num_heads = num_heads
+        self.heads_per_layer = heads_per_layer  # per layer, in graph order (pruned layers differ); empty: num_heads
         self.num_kv_heads = num_kv_heads
         self.max_length = max_length
         self.sliding_windows = sliding_windows  # per layer, in graph order; empty: full attention everywhere
@@ -64,10 +65,11 @@ class FuseGroupQueryAttention(Pass):
         shared: dict[str, str] = {}  # bias / seqlens / caches, built once per graph (this run's state only)
         for layer, handle in enumerate(g.nodes_of("Attention")):
             window = self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
+            heads = self.heads_per_layer[layer] if layer < len(self.heads_per_layer) else self.num_heads
             node = g.node(handle)
             where = node.name or handle
             try:
-                new, remove, info = self.rewrite(g, node, shared, window)
+                new, remove, info = self.rewrite(g, node, shared, window, heads)
             except NoMatch as e:
                 skipped.append(Reason(where, str(e)))
                 continue
@@ -156,7 +158,7 @@ class FuseGroupQueryAttention(Pass):
             raise NoMatch("rotary positions do not come from attention_mask alone")
         return inv_freq, tables[0][1], int(attr(q_rope, "interleaved", 0))
 
-    def rewrite(self, g: Graph, node: onnx.NodeProto, shared: dict[str, str], window: int | None):
+    def rewrite(self, g: Graph, node: onnx.NodeProto, shared: dict[str, str], window: int | None, heads: int):
         """Check the whole layer first (raising NoMatch with the reason), then add what the fused node needs:
         a refused layer leaves the graph exactly as it was."""
         core = match_onnx_attention(g, node)
@@ -177,10 +179,10 @@ class FuseGroupQueryAttention(Pass):
         for x in (q3, k3, v3):
             if len(g.consumers[x]) != 1:
                 raise NoMatch(f"{x} has other users; fusing would duplicate it")
-        packing, hidden = self._match_pack(g, q3, k3, v3)
-        head_size = hidden // self.num_heads
-        if hidden % self.num_heads:
-            raise NoMatch(f"query width {hidden} is not divisible by {self.num_heads} heads")
+        packing, hidden = self._match_pack(g, q3, k3, v3, heads)
+        head_size = hidden // heads
+        if hidden % heads:
+            raise NoMatch(f"query width {hidden} is not divisible by {heads} heads")
         if head_size % 16:
             raise NoMatch(f"head size {head_size} is not a multiple of 16, which GroupQueryAttention requires")
         rope = self._rotary(g, q_rope, k_rope, head_size)
@@ -195,7 +197,7 @@ class FuseGroupQueryAttention(Pass):
         if rope is not None:
             cos, sin = self._caches(g, *rope[:2], head_size, shared)
         inputs = [*qkv, *[""] * (3 - len(qkv)), "", "", seqlens, total, cos, sin, "", bias]
-        attrs = dict(num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, do_rotary=int(rope is not None),
+        attrs = dict(num_heads=heads, kv_num_heads=self.num_kv_heads, do_rotary=int(rope is not None),
                      rotary_interleaved=rope[2] if rope else 0,
                      scale=float(core.scale if core.scale is not None else head_size ** -0.5))
         if window:
@@ -209,10 +211,10 @@ class FuseGroupQueryAttention(Pass):
         remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs]
         return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
 
-    def _match_pack(self, g: Graph, q3: str, k3: str, v3: str):
+    def _match_pack(self, g: Graph, q3: str, k3: str, v3: str, hq: int):
         """How Q, K, V reach the kernel as one packed (B, S, (H + 2 KV) hd) input: the model's own packed
         tensor, or the three projections to concatenate. Checks only; ``_emit_pack`` builds it."""
-        hq, hk = self.num_heads, self.num_kv_heads
+        hk = self.num_kv_heads
         split = g.producer.get(q3)
         if split is not None and split.op_type == "Split" and list(split.output) == [q3, k3, v3]:
             sizes = g.constant(split.input[1]) if len(split.input) > 1 and split.input[1] else None

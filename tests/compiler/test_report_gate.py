@@ -93,6 +93,22 @@ def test_per_layer_table_locates_the_error(trained):
     assert bad[0]["relative_error"] > 100 * fp32[0]["relative_error"] and bad[0]["relative_error"] > 0.01
 
 
+def test_report_of_a_pruned_artifact_shows_the_cost_per_layer(trained, tmp_path):
+    """Against the original checkpoint, a pruned artifact's per-layer error is the pruning cost in that layer (far
+    above FP32 rounding), next to what each layer kept; the page says what was pruned and what compile measured."""
+    out = compile(trained["ckpt"], tmp_path / "pruned", fast_options(prune="ffn=0.2"))
+    assert main(["report", str(out), "--reference", str(trained["ckpt"]), "--data", str(trained["data"]), "-o",
+                 str(tmp_path / "r"), "-q", "--max-texts", "8", "--latency-seconds", "0.2", "--threads", "2"]) == 0
+    r = json.loads((tmp_path / "r" / "report.json").read_text())
+    fp32 = json.loads((trained["reports"]["fp32"] / "report.json").read_text())["layers"]
+    assert r["pruning"]["method"] == "flap" and r["pruning"]["compile_cost"]["ppl_increase_pct"] > 0
+    assert [(x["layer"], x["ffn"], x["heads"]) for x in r["layers"]] == [(1, 138, 4), (2, 138, 4)]
+    assert all(x["relative_error"] > 100 * f["relative_error"] for x, f in zip(r["layers"], fp32))
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "Pruned (flap, uniform per-layer counts): heads 4 -> 4, FFN channels 172 -> 138" in md
+    assert "| heads kept | FFN kept |" in md and "FFN kept</th>" in (tmp_path / "r" / "report.html").read_text()
+
+
 def test_gate_passes_fp32_and_fails_the_degraded_artifact_naming_metrics(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "kiln.toml").write_text(GATE)

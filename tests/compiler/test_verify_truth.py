@@ -12,7 +12,7 @@ from conftest import fast_options
 from kiln.compiler import compile
 from kiln.compiler.verify import metrics
 from kiln.compiler.verify.generation import compare_steps
-from kiln.compiler.verify.parity import TOLERANCES, Case, compare_output, summarize, verify
+from kiln.compiler.verify.parity import TOLERANCES, Case, compare_output, failures, summarize, verify
 from kiln.evaluate.report import greedy_match_rate
 
 FP32 = TOLERANCES["fp32"]
@@ -57,6 +57,31 @@ def test_planted_error_fails_even_next_to_an_empty_case():
     report = verify(Echo(lambda x: x), Echo(lambda x: x + 1e-3), [Case("e", empty, "random"), Case("f", full, "random")],
                     "fp32")
     assert report["passed"] is False and report["summary"]["last_hidden_state"]["max_abs"] > 1e-4
+
+
+def rounding_case(eager_noise, artifact_noise):
+    """An exact answer, PyTorch's FP32 ``eager_noise`` away from it and the artifact ``artifact_noise`` away."""
+    rng = np.random.default_rng(0)
+    exact = rng.normal(size=(1, 6, 8))
+    runners = [Echo(lambda x, n=n, d=rng.normal(size=(1, 6, 8)): exact + n * d / np.abs(d).max())
+               for n in (eager_noise, artifact_noise)]
+    feeds = {"input_ids": np.ones((1, 6), np.int64), "attention_mask": np.ones((1, 6), np.int64)}
+    return verify(*runners, [Case("c", feeds, "random")], "fp32", exact=lambda: Echo(lambda x: exact))
+
+
+def test_an_ill_conditioned_model_passes_on_what_fp32_can_do_and_a_planted_bug_still_fails():
+    """Eager FP32 itself 2e-3 from FP64 (20x the abs bound): an artifact as far off passes, with both distances
+    recorded; one 10x further (a graph bug on top of the rounding) fails naming the comparison; a well-conditioned
+    model (eager 1e-6 from FP64) keeps the plain abs bound, so 1e-3 fails there."""
+    ok = verify_output(rounding_case(2e-3, 3e-3))
+    assert ok["passed"] is True and ok["rounding"]["eager_vs_fp64"] > 1e-3 and ok["max_abs"] > ok["atol"]
+    bad = rounding_case(2e-3, 3e-2)
+    assert bad["passed"] is False and "PyTorch's own FP32 rounding" in failures(bad)[0]
+    assert rounding_case(1e-6, 1e-3)["passed"] is False
+
+
+def verify_output(report):
+    return report["cases"][0]["outputs"]["last_hidden_state"]
 
 
 def test_generation_agreement_is_absent_when_every_step_is_a_tie():

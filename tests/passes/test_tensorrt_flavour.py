@@ -104,7 +104,7 @@ def test_gate_passes_standard_graph_and_reports_version():
 
 
 def test_gate_rejects_contrib_ops():
-    fused, _ = run_passes(attention_graph("onnx"), [FuseAttention(num_heads=2)])
+    fused, _ = run_passes(attention_graph("onnx"), [FuseAttention(head_size=4)])
     with pytest.raises(TensorRTCompatibilityError, match="com.microsoft.Attention is not a standard ONNX op"):
         run_passes(fused, [CheckTensorRTOps()])
 

@@ -66,6 +66,13 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 
 
+ROUNDING_FACTOR = 3.0
+"""FP32 only: a case over the abs bound still passes when the artifact is within this many times PyTorch's own
+FP32 rounding of the exact (FP64) answer, measured on that case. An ill-conditioned model (SmolLM2-135M with 20% of
+its FFN channels cut by magnitude, its massive activations gone: eager FP32 is 0.0045 off its FP64 self on random
+ids, the unpruned model 7e-5) then passes on what FP32 can do; a graph bug is far above either bound."""
+
+
 @dataclass
 class Case:
     name: str
@@ -115,10 +122,24 @@ def compare_output(name: str, ref: np.ndarray, got: np.ndarray, mask: np.ndarray
     return out
 
 
+def rounding_check(out: dict[str, Any], ref: np.ndarray, got: np.ndarray, exact: np.ndarray,
+                   mask: np.ndarray | None) -> None:
+    """An FP32 output over its abs bound (top-1 fine) against the FP64 reference: passes when the artifact is within
+    ``ROUNDING_FACTOR`` times PyTorch's own FP32 distance from FP64; records both distances either way."""
+    r, g = _rows(ref.astype(np.float64), got.astype(np.float64), mask)
+    e, _ = _rows(exact.astype(np.float64), exact.astype(np.float64), mask)
+    eager, artifact = float(np.abs(r - e).max()), float(np.abs(g - e).max())
+    bound = max(out["atol"], ROUNDING_FACTOR * eager)
+    out["rounding"] = {"eager_vs_fp64": eager, "artifact_vs_fp64": artifact, "bound": bound}
+    out["passed"] = artifact <= bound
+
+
 def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: str,
-           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+           progress: Callable[[str], None] | None = None, exact: Callable[[], Runner] | None = None) -> dict[str, Any]:
+    """``exact``: builds an FP64 reference, asked for only when an FP32 case misses its abs bound alone."""
     tol = TOLERANCES[precision]
     results = []
+    exact_runner: Runner | None = None
     for i, case in enumerate(cases):
         if progress:
             progress(f"verify {i + 1}/{len(cases)}: {case.name}")
@@ -128,6 +149,15 @@ def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: s
         case_tol = tol if case.source != "random" or tol.random_min_cosine is None else \
             replace(tol, min_cosine=tol.random_min_cosine, min_mean_cosine=None)
         outputs = {n: compare_output(n, ref[n], got[n], mask, case_tol) for n in ref}
+        abs_only = [n for n, o in outputs.items() if o["passed"] is False and "error" not in o and
+                    tol.min_cosine is None and o["max_abs"] > o["atol"] and (o.get("top1_agreement") or 1.0) >= tol.min_top1]
+        if abs_only and exact is not None:
+            if progress:
+                progress(f"verify {case.name}: over the FP32 bound; measuring PyTorch's own FP32 rounding against FP64")
+            exact_runner = exact_runner or exact()
+            ref64 = exact_runner.run(case.feeds)
+            for n in abs_only:
+                rounding_check(outputs[n], ref[n], got[n], ref64[n], mask)
         shape = list(case.feeds["input_ids"].shape)
         verdicts = [o["passed"] for o in outputs.values() if o["passed"] is not None]
         results.append({"name": case.name, "source": case.source, "shape": shape, "outputs": outputs,
@@ -187,6 +217,10 @@ def failures(report: dict[str, Any]) -> list[str]:
                 out.append(f"{where}: row cosine {o['cosine_min']:.4f} < {o['cosine_bound']}")
             elif o.get("mean_bound") is not None and o["cosine_mean"] < o["mean_bound"]:
                 out.append(f"{where}: mean row cosine {o['cosine_mean']:.4f} < {o['mean_bound']}")
+            elif "rounding" in o:
+                rd = o["rounding"]
+                out.append(f"{where}: max abs error {o['max_abs']:.3g} > {o['atol']:.3g}, and {rd['artifact_vs_fp64']:.3g} "
+                           f"from FP64 > {ROUNDING_FACTOR:g}x PyTorch's own FP32 rounding ({rd['eager_vs_fp64']:.3g})")
             elif o.get("cosine_bound") is None and o["max_abs"] > o["atol"]:
                 out.append(f"{where}: max abs error {o['max_abs']:.3g} > {o['atol']:.3g}")
             else:
