@@ -14,7 +14,7 @@ ANCHOR_VENV ?= .venv-anchor
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,serve,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,6 +42,7 @@ bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/bench_int4.py
 	$(PY) tools/bench_prune.py
 	$(PY) tools/bench_prune_decoder.py
+	$(PY) tools/load_serve.py
 
 clean:
 	rm -rf demo-out .pytest_cache

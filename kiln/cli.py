@@ -136,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=g.repetition_penalty)
     gen.add_argument("--stop-id", type=int, action="append", help="stop token id (repeatable; default: the model's eos)")
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true",
+                     help="--prompt is a user message: rendered through the artifact's chat template")
     gen.add_argument("--threads", type=int, default=None)
 
     r = sub.add_parser("run", help="run an artifact once on text or token ids")
@@ -171,6 +173,27 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--threads", type=int, default=ro.threads)
     rep.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
+    exp = sub.add_parser("export", help="an artifact in another serving system's layout")
+    fmt = exp.add_subparsers(dest="format", required=True)
+    tri = fmt.add_parser("triton", help="a Triton Inference Server model repository (ONNX Runtime backend)")
+    tri.add_argument("artifact")
+    tri.add_argument("-o", "--output", required=True, help="the model repository directory (created if missing)")
+    tri.add_argument("--name", help="the model's name in the repository (default: the artifact directory's)")
+    tri.add_argument("--max-batch", type=int, default=32, help="encoders: Triton's max_batch_size (0: no batching)")
+    tri.add_argument("--max-wait-ms", type=float, default=5.0, help="encoders: dynamic batching's queue delay")
+    tri.add_argument("--instances", type=int, default=1, help="model instances (instance_group count)")
+    tri.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="instance_group kind")
+    tri.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per instance")
+    tri.add_argument("--force", action="store_true", help="replace the model if the repository has it")
+    srv = sub.add_parser("serve", help="serve an artifact over HTTP (OpenAI-compatible; needs kiln[serve])")
+    srv.add_argument("artifact")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch", type=int, default=32,
+                     help="encoders: texts per dynamic batch (1: no batching); decoders: requests generating at once")
+    srv.add_argument("--max-wait-ms", type=float, default=5.0,
+                     help="encoders: how long the first request of a batch waits for others")
+    srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     gate = sub.add_parser("gate", help="check a report against thresholds: exit 0 pass, 1 violated, 2 unusable input")
     gate.add_argument("report", help="report.json written by kiln report")
     gate.add_argument("--baseline", help="the last release's report.json, for max_latency_regression_pct")
@@ -190,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate, "report": cmd_report,
-                "gate": cmd_gate, "bench": cmd_bench, "export-gptq": cmd_export_gptq}[args.command](args)
+                "gate": cmd_gate, "bench": cmd_bench, "export-gptq": cmd_export_gptq,
+                "serve": cmd_serve, "export": cmd_export}[args.command](args)
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -358,14 +382,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                     stop_token_ids=args.stop_id, seed=args.seed)
     if args.ids:
+        if args.chat:
+            raise UsageError("--chat renders a --prompt text through the chat template; drop --ids or --chat")
         ids = _parse_ids(args.ids, "--ids")
         out = model.generate([ids], **sampling)
         print(",".join(str(int(t)) for t in out[0, len(ids):]))
         return 0
-    for chunk in model.stream(args.prompt, **sampling):
+    if args.chat:
+        prompt = model.chat_prompt([{"role": "user", "content": args.prompt}])
+        chunks = model.stream(prompt, chat=True, **sampling)
+    else:
+        chunks = model.stream(args.prompt, **sampling)
+    for chunk in chunks:
         sys.stdout.write(chunk)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from kiln.serve.triton import export
+
+    out = export(args.artifact, args.output, name=args.name, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                 instances=args.instances, device=args.device, threads=args.threads, force=args.force)
+    print(out)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise UsageError("kiln serve needs its extra: pip install 'kiln[serve]' (starlette, uvicorn, jinja2)") from e
+    from kiln.serve import create_app
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port; give 1-65535")
+    app = create_app(args.artifact, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, threads=args.threads)
+    print(f"kiln serve: {args.artifact} on http://{args.host}:{args.port} (max batch {args.max_batch}, max wait "
+          f"{args.max_wait_ms:g} ms)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
 

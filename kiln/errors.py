@@ -41,3 +41,7 @@ class ArtifactError(KilnError):
 
 class InputError(KilnError):
     """Feeds given to a runtime do not match the artifact's inputs."""
+
+
+class ClosedError(KilnError):
+    """A loaded model was used after (or while) ``close()`` released it."""

@@ -351,6 +351,10 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
             data["pruning"] = ckpt.pruning
         if any(p["name"] == "kv-cache" and p["stats"].get("layers") for p in record):
             manifest_lib.add_kv_cache(data, ckpt, facts, options)
+        if any(p["name"] == "logits-to-keep" and p["stats"].get("sliced") for p in record):
+            from kiln.passes.logits_to_keep import INPUT
+
+            manifest_lib.add_logits_to_keep(data, INPUT)
         if options.target == "tensorrt":
             from kiln.passes.check_tensorrt import min_tensorrt
 
@@ -423,6 +427,9 @@ def copy_tokenizer(ckpt: Checkpoint, root: Path) -> None:
             shutil.copy2(ckpt.path / name, root / name)
     # Saved from the loaded fast tokenizer, so checkpoints that ship only vocab files get one too.
     ckpt.tokenizer.backend_tokenizer.save(str(root / "tokenizer.json"))
+    template = getattr(ckpt.tokenizer, "chat_template", None)
+    if isinstance(template, str):  # from tokenizer_config.json or chat_template.jinja, whichever it came in
+        (root / manifest_lib.CHAT_TEMPLATE).write_text(template)
 
 
 def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options: CompileOptions,

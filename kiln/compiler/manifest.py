@@ -35,8 +35,15 @@ def tokenizer_section(ckpt: Checkpoint) -> dict[str, Any] | None:
     tok = ckpt.tokenizer
     if tok is None:
         return None
-    return {"file": "tokenizer.json", "pad_token_id": ckpt.pad_token_id, "padding_side": ckpt.padding_side,
-            "add_special_tokens": True, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    out = {"file": "tokenizer.json", "pad_token_id": ckpt.pad_token_id, "padding_side": ckpt.padding_side,
+           "add_special_tokens": True, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
+    if isinstance(getattr(tok, "chat_template", None), str):  # written beside it by build.copy_tokenizer
+        out |= {"chat_template": CHAT_TEMPLATE, "bos_token": tok.bos_token, "eos_token": tok.eos_token}
+    return out
+
+
+CHAT_TEMPLATE = "chat_template.jinja"
+"""The tokenizer's chat template, in the artifact: ``kiln generate --chat`` and ``kiln serve`` render it."""
 
 
 def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: list[dict[str, Any]],
@@ -100,6 +107,14 @@ def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, opti
         "shared_buffer": True,
     }
     data["generation"] = generation_defaults(ckpt)
+
+
+def add_logits_to_keep(data: dict[str, Any], name: str) -> None:
+    """The graph takes the optional scalar ``name`` (0, the default a runtime fills: every position's logits);
+    with a KV cache, generation feeds 1 so the prefill computes the head for the last position only."""
+    data["inputs"].append(TensorSpec(name, "int64", (), True, "zeros").to_json())
+    if "kv_cache" in data:
+        data["kv_cache"]["logits_to_keep"] = name
 
 
 def add_seq2seq(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,

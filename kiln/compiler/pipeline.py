@@ -37,6 +37,7 @@ from kiln.passes.pin_norms import PinNormsFP32
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.quantize_nbits import Codebook, QuantizeBlockwise
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
+from kiln.passes.logits_to_keep import LogitsToKeep
 from kiln.passes.smoothquant import SmoothQuant
 from kiln.passes.split_outliers import SplitOutlierChannels
 
@@ -98,6 +99,7 @@ STAGES: dict[str, Stage] = {
                                                                       heads_per_layer=f.heads_per_layer),
                       coverage="fused"),
     "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers"),
+    "logits-to-keep": Stage(lambda f, o, d: LogitsToKeep()),
     "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(f.num_heads, f.head_size), coverage="fused"),
     "fuse-bias-gelu": Stage(lambda f, o, d: FuseBiasGelu()),
     # RMSNorm: ORT's CPU kernel is fast, so residual RMSNorms become SkipSimplifiedLayerNormalization and the
@@ -166,19 +168,19 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("cpu", "encoder", "int8-static"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", *INT8,
                                         "quantize-qdq", "eliminate-dead-nodes"),
     ("cpu", "decoder", "fp32"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                 "decompose-norm", "eliminate-dead-nodes"),
+                                 "decompose-norm", "logits-to-keep", "eliminate-dead-nodes"),
     # blocked 8-bit kernel (MatMulNBits), tied lm_head included; outliers split: at block 128 SmolLM2's worst row
     # cosine is 0.9849 with, 0.93 without (parity fails), for 146 vs 170 tok/s (README, INT8)
     ("cpu", "decoder", "int8"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                 "decompose-norm", *INT8, "quantize-nbits", "eliminate-dead-nodes"),
+                                 "decompose-norm", *INT8, "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
     ("cpu", "decoder", "int8-static"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                        "decompose-norm", *INT8, "quantize-qdq", "eliminate-dead-nodes"),
+                                        "decompose-norm", *INT8, "quantize-qdq", "logits-to-keep", "eliminate-dead-nodes"),
     # weight-only 4-bit (GPTQ codes or round-to-nearest): no SmoothQuant or outlier split, they would change the
     # weights the solver's codes replace; encoders keep Q/K/V as plain MatMuls (fuse-mha) so they are quantized too
     ("cpu", "encoder", "int4"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", "gemm-to-matmul",
                                  "quantize-nbits", "eliminate-dead-nodes"),
     ("cpu", "decoder", "int4"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                 "decompose-norm", "gemm-to-matmul", "quantize-nbits", "eliminate-dead-nodes"),
+                                 "decompose-norm", "gemm-to-matmul", "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
     ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "decompose-norm", "eliminate-dead-nodes"),
     ("tensorrt", "encoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
                                       "check-tensorrt-ops"),

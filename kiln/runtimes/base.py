@@ -28,15 +28,18 @@ class CacheRunner:
         shape = (batch, kv["num_kv_heads"], 0, kv["head_size"])
         self.past = {name: np.zeros(shape, np.float32) for name in kv["past"]}
         self.present = dict(zip(kv["present"], kv["past"]))
+        # graphs with the input: the head runs for the last position only (generation reads no other)
+        self.fixed = {kv["logits_to_keep"]: np.array(1, np.int64)} if kv.get("logits_to_keep") else {}
 
     def _advance(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         """Run with the cache so far; keep the grown cache; return the logits."""
-        out = self.runtime.run({**feeds, **self.past})
+        out = self.runtime.run({**feeds, **self.fixed, **self.past})
         self.past = {past: out[present] for present, past in self.present.items()}
         return out["logits"]
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """Feed the new tokens (batch, new) and the mask over past + new; return logits (batch, new, vocab)."""
+        """Feed the new tokens (batch, new) and the mask over past + new; return logits (batch, new, vocab), or
+        (batch, 1, vocab) for the last position where the graph takes ``logits_to_keep``."""
         return self._advance({"input_ids": input_ids, "attention_mask": attention_mask})
 
     def close(self) -> None:
@@ -49,7 +52,7 @@ class Seq2SeqRunner(CacheRunner):
 
     def __init__(self, runtime: "Runtime", kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> None:
         super().__init__(runtime, kv, mask.shape[0])
-        self.fixed = {"encoder_attention_mask": mask, **{n: cross[n] for n in kv["cross"]}}
+        self.fixed = {**self.fixed, "encoder_attention_mask": mask, **{n: cross[n] for n in kv["cross"]}}
 
     def step(self, tokens: np.ndarray) -> np.ndarray:  # type: ignore[override]
         return self._advance({"decoder_input_ids": tokens, **self.fixed})
@@ -60,8 +63,9 @@ class Runtime(abc.ABC):
 
     name: str = ""
 
-    def cache_runner(self, kv: dict, batch: int) -> CacheRunner:
-        """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``)."""
+    def cache_runner(self, kv: dict, batch: int, length: int | None = None) -> CacheRunner:
+        """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``); ``length``: the
+        positions the request needs (prompt + new tokens), None for the artifact's whole capacity."""
         return CacheRunner(self, kv, batch)
 
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:

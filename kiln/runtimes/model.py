@@ -45,12 +45,18 @@ class Model:
         arrays = prepare_feeds(self.manifest.inputs, feeds, self.max_sequence_length)
         return self.runtime.run(arrays)
 
-    def encode(self, texts: str | list[str], truncate: bool = False) -> dict[str, np.ndarray]:
+    def encode(self, texts: str | list[str], truncate: bool = False,
+               add_special_tokens: bool | None = None) -> dict[str, np.ndarray]:
         """Tokenize and pad text into feeds this artifact accepts."""
         if isinstance(texts, str):
             texts = [texts]
-        feeds = self.text_encoder.encode(list(texts), self.max_sequence_length, truncate=truncate)
+        feeds = self.text_encoder.encode(list(texts), self.max_sequence_length, truncate=truncate,
+                                         add_special_tokens=add_special_tokens)
         return {k: v for k, v in feeds.items() if k in self.input_names}
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt for chat ``messages`` through the artifact's chat template (generation prompt added)."""
+        return self.text_encoder.chat(messages)
 
     @property
     def text_encoder(self) -> TextEncoder:
@@ -102,16 +108,23 @@ class Model:
     def stream(self, prompt: str, max_new_tokens: int = _D.max_new_tokens, do_sample: bool = _D.do_sample,
                temperature: float = _D.temperature, top_k: int = _D.top_k, top_p: float = _D.top_p,
                repetition_penalty: float = _D.repetition_penalty,
-               stop_token_ids: Sequence[int] | None = None, seed: int | None = None) -> Iterator[str]:
-        """Generate from one text prompt, yielding text as it is produced (partial characters held back)."""
+               stop_token_ids: Sequence[int] | None = None, seed: int | None = None,
+               chat: bool = False, info: dict[str, Any] | None = None) -> Iterator[str]:
+        """Generate from one text prompt, yielding text as it is produced (partial characters held back).
+        ``chat``: the prompt was rendered by the chat template, which writes its own special tokens. ``info``,
+        when given, is filled as tokens come: prompt_tokens, completion_tokens, finish_reason (stop | length)."""
         sampling, stop, pad = self._generation(stop_token_ids, None, do_sample=do_sample,
                                                temperature=temperature, top_k=top_k, top_p=top_p,
                                                repetition_penalty=repetition_penalty)
-        feeds = self.encode([prompt])
+        feeds = self.encode([prompt], add_special_tokens=False if chat else None)
         start = 1 if "decoder" in self.runtimes else feeds["input_ids"].shape[1]
         emitted, text = 0, ""
+        info = {} if info is None else info
+        info.update(prompt_tokens=int(feeds["input_ids"].shape[1]), completion_tokens=0, finish_reason="length")
         for seqs in self._steps(feeds["input_ids"], feeds["attention_mask"], max_new_tokens, sampling, stop, pad, seed):
-            new = [int(t) for t in seqs[0, start:] if int(t) not in stop]
+            produced = [int(t) for t in seqs[0, start:]]
+            new = [t for t in produced if t not in stop]
+            info.update(completion_tokens=len(produced), finish_reason="stop" if len(new) < len(produced) else "length")
             text, ready = stream_text(self.text_encoder.decode, new)
             if ready > emitted:
                 yield text[emitted:ready]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 
 import numpy as np
 import onnxruntime as ort
 
-from kiln.errors import ArtifactError
+from kiln.errors import ArtifactError, ClosedError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner
 
@@ -27,6 +28,8 @@ class OnnxRuntime(Runtime):
         self._session: ort.InferenceSession | None = None
         self._output_names: list[str] = []
         self._input_names: set[str] = set()
+        self._path = "the artifact"
+        self.pool = BufferPool()
 
     def load(self, manifest: Manifest, graph: str = "model") -> None:
         opts = ort.SessionOptions()
@@ -45,32 +48,82 @@ class OnnxRuntime(Runtime):
             self._session = ort.InferenceSession(str(path), opts, providers=self.providers)
         except Exception as e:  # ORT raises its own untyped errors
             raise ArtifactError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}; recompile the artifact") from e
+        self._path = str(path)
         self._output_names = [o.name for o in self._session.get_outputs()]
         # The manifest may list inputs the graph no longer reads (eliminate-unused-io): accepted, not fed.
         self._input_names = {i.name for i in self._session.get_inputs()}
         log.debug("loaded %s with %s", path, self._session.get_providers())
 
+    @property
+    def session(self) -> ort.InferenceSession:
+        """The live session; kiln's own error once ``close()`` released it (a call in flight keeps its reference
+        and finishes; the next one stops here)."""
+        session = self._session
+        if session is None:
+            raise ClosedError(f"{self._path} was closed (or never loaded); load the artifact again to run it")
+        return session
+
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self._session is None:
-            raise RuntimeError("OnnxRuntime.run called before load() or after close()")
+        session = self.session
         try:
-            values = self._session.run(self._output_names, {k: v for k, v in feeds.items() if k in self._input_names})
+            values = session.run(self._output_names, {k: v for k, v in feeds.items() if k in self._input_names})
         except Exception as e:  # feeds were validated: a failure here is the graph's
             raise _failure(e) from e
         return dict(zip(self._output_names, values))
 
     def close(self) -> None:
         self._session = None
+        self.pool.clear()
 
-    def cache_runner(self, kv: dict, batch: int) -> CacheRunner:
-        if self._session is None:
-            raise RuntimeError("OnnxRuntime.cache_runner called before load() or after close()")
-        return SharedBufferCache(self._session, kv, batch)
+    def cache_runner(self, kv: dict, batch: int, length: int | None = None) -> CacheRunner:
+        return SharedBufferCache(self, kv, batch, length)
 
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
-        if self._session is None:
-            raise RuntimeError("OnnxRuntime.seq2seq_runner called before load() or after close()")
-        return BoundSeq2SeqCache(self._session, kv, cross, mask)
+        return BoundSeq2SeqCache(self.session, kv, cross, mask)
+
+
+BUCKET_MIN = 64
+"""Smallest KV buffer a request gets (positions); larger requests round up to the next power of two."""
+
+
+def bucket(need: int, capacity: int) -> int:
+    """KV positions to allocate for ``need`` (prompt + new tokens): the next power of two from ``BUCKET_MIN``, at
+    most the artifact's capacity, so requests of similar length share pooled buffers."""
+    size = BUCKET_MIN
+    while size < need:
+        size *= 2
+    return min(size, capacity)
+
+
+class BufferPool:
+    """Idle KV buffer sets by (batch, positions): a generate call takes one for its whole run and gives it back at
+    the end, so concurrent calls never share a buffer and a later call of the same size allocates nothing. At most
+    ``keep`` idle sets are held (the oldest dropped first): memory stays flat under any request mix."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._idle: list[tuple[tuple[int, int], dict[str, np.ndarray]]] = []
+        self._lock = threading.Lock()
+
+    def take(self, names: list[str], shape: tuple[int, int, int, int]) -> dict[str, np.ndarray]:
+        key = (shape[0], shape[2])
+        with self._lock:
+            found = next((i for i, (k, _) in enumerate(self._idle) if k == key), None)
+            buffers = self._idle.pop(found)[1] if found is not None else None
+        if buffers is None:
+            return {name: np.zeros(shape, np.float32) for name in names}
+        for b in buffers.values():  # positions past a request's length are never read; zeroed all the same
+            b.fill(0)
+        return buffers
+
+    def give(self, shape: tuple[int, int, int, int], buffers: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            self._idle.append(((shape[0], shape[2]), buffers))
+            del self._idle[:-self.keep]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle = []
 
 
 class BoundSeq2SeqCache(Seq2SeqRunner):
@@ -106,34 +159,47 @@ class BoundSeq2SeqCache(Seq2SeqRunner):
 
 
 class SharedBufferCache(CacheRunner):
-    """One zeroed (batch, kv heads, capacity, head size) buffer per layer and key/value, bound through
+    """One zeroed (batch, kv heads, positions, head size) buffer per layer and key/value, bound through
     IO binding as both the past input and the present output: GroupQueryAttention appends in place,
-    so a step allocates and copies no cache. Only the token ids, the mask and the logits move."""
+    so a step allocates and copies no cache. Only the token ids, the mask and the logits move.
+    ``length``: the positions this request needs (prompt + new tokens), rounded up by ``bucket``; the buffers
+    come from the runtime's pool and go back to it at ``close``."""
 
-    def __init__(self, session: ort.InferenceSession, kv: dict, batch: int) -> None:
-        self.session = session
-        shape = (batch, kv["num_kv_heads"], kv["capacity"], kv["head_size"])
-        self.buffers = {name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for name in kv["past"]}
+    def __init__(self, runtime: OnnxRuntime, kv: dict, batch: int, length: int | None = None) -> None:
+        self.runtime = runtime
+        session = runtime.session
+        cap = int(kv["capacity"])
+        self.shape = (batch, int(kv["num_kv_heads"]), bucket(length, cap) if length else cap, int(kv["head_size"]))
+        self.arrays = runtime.pool.take(list(kv["past"]), self.shape)
+        self.buffers = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self.arrays.items()}
         self.binding = session.io_binding()
         for past, present in zip(kv["past"], kv["present"]):
             self.binding.bind_ortvalue_input(past, self.buffers[past])
             self.binding.bind_ortvalue_output(present, self.buffers[past])
         self._keep: list[np.ndarray] = []
         self.vocab = int(next(o.shape[-1] for o in session.get_outputs() if o.name == "logits"))
+        self.last_only = bool(kv.get("logits_to_keep"))
+        if self.last_only:  # the head for the last position only: a prefill computes and returns one row
+            self._one = np.array(1, np.int64)
+            self.binding.bind_cpu_input(kv["logits_to_keep"], self._one)
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
-        logits = np.empty((*ids.shape, self.vocab), np.float32)
+        logits = np.empty((ids.shape[0], 1 if self.last_only else ids.shape[1], self.vocab), np.float32)
         self._keep = [ids, mask]  # bound by pointer: must outlive the run
         self.binding.bind_cpu_input("input_ids", ids)
         self.binding.bind_cpu_input("attention_mask", mask)
         self.binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        _run_bound(self.session, self.binding)
+        _run_bound(self.runtime.session, self.binding)
         return logits
 
     def close(self) -> None:
-        self.buffers = {}
+        if self.buffers:
+            self.buffers = {}
+            self.binding = None
+            self.runtime.pool.give(self.shape, self.arrays)
+            self.arrays = {}
 
 
 def _run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:

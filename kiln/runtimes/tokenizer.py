@@ -25,11 +25,17 @@ class TextEncoder:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.pad_id = int(spec.get("pad_token_id") or 0)
+        self.spec = spec
+        self.root = root
+        self._template: Any = None
         self.padding_side = spec.get("padding_side", "right")
         self.add_special_tokens = bool(spec.get("add_special_tokens", True))
 
-    def encode(self, texts: list[str], max_length: int, truncate: bool = False) -> dict[str, np.ndarray]:
-        encs = self._tok.encode_batch(texts, add_special_tokens=self.add_special_tokens)
+    def encode(self, texts: list[str], max_length: int, truncate: bool = False,
+               add_special_tokens: bool | None = None) -> dict[str, np.ndarray]:
+        """``add_special_tokens=False`` for text that carries its own (a rendered chat template)."""
+        special = self.add_special_tokens if add_special_tokens is None else add_special_tokens
+        encs = self._tok.encode_batch(texts, add_special_tokens=special)
         rows = []
         for text, enc in zip(texts, encs):
             ids, types = list(enc.ids), list(enc.type_ids)
@@ -63,3 +69,38 @@ class TextEncoder:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.spec.get("chat_template"))
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` ([{"role": ..., "content": ...}]) through the chat template the
+        artifact ships (rendered the way Hugging Face does: a sandboxed Jinja environment)."""
+        if not self.has_chat_template:
+            raise InputError(f"artifact {self.root} ships no chat template; send a plain prompt "
+                             "(/v1/completions, kiln generate without --chat)")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise InputError("messages must be a non-empty list of {\"role\": str, \"content\": str}")
+        if self._template is None:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError as e:
+                raise InputError("chat templates are rendered with jinja2: pip install 'kiln[serve]' (or jinja2)") from e
+
+            def raise_exception(message: str) -> None:
+                raise InputError(f"the chat template refused the messages: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string((self.root / self.spec["chat_template"]).read_text())
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.spec.get("bos_token") or "",
+                                         eos_token=self.spec.get("eos_token") or "")
+        except InputError:
+            raise
+        except Exception as e:  # a template error is the artifact's, with the line jinja reports
+            raise ArtifactError(f"the chat template in {self.root} failed: {e}") from e

@@ -98,14 +98,23 @@ def test_adaptive_counts_follow_the_standardised_scores():
 
 
 def planted_checkpoint(tmp_path, family):
-    """heads 2 and 3 of layer 0 write through zero columns; layer 1 is left as it was."""
+    """Heads 2 and 3 of layer 0 write through zero columns; layer 1's four query heads are copies of its head 0, so
+    their standardised scores are all 0 and layer 0's dead heads are the lowest in the model by construction."""
     from conftest import make_model, make_tokenizer
 
     model = make_model(family, "base" if family == "bert" else "causal-lm")
     with torch.no_grad():
-        out = P.layers(model, 2)[0].out
-        width = out.weight.shape[1] // 4
-        out.weight[:, 2 * width:] = 0
+        first, second = P.layers(model, 2)
+        width = first.out.weight.shape[1] // 4
+        first.out.weight[:, 2 * width:] = 0
+        q = second.qkv if family == "bert" else second.qkv[:1]  # BERT: Q, K and V per head; Llama: Q (one KV head)
+        for h in range(1, 4):
+            cols = slice(h * width, (h + 1) * width)
+            for lin in q:
+                lin.weight[cols] = lin.weight[:width]
+                if lin.bias is not None:
+                    lin.bias[cols] = lin.bias[:width]
+            second.out.weight[:, cols] = second.out.weight[:, :width]
     path = tmp_path / family
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer("encoder" if family == "bert" else "decoder").save_pretrained(path)

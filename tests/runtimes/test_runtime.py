@@ -27,7 +27,7 @@ def copy(artifacts, tmp_path):
 
 
 def test_runtime_runs_with_torch_absent(artifacts):
-    """A fresh interpreter that cannot import torch (or transformers) loads, encodes and runs."""
+    """A fresh interpreter that cannot import torch (or transformers) loads, encodes, runs and builds the server."""
     script = textwrap.dedent(f"""
         import sys
         class Block:
@@ -46,6 +46,8 @@ def test_runtime_runs_with_torch_absent(artifacts):
         from kiln.cli import main  # the CLI's run path stays torch-free too
         assert main(["run", {str(artifacts['bert'])!r}, "--text", "hello", "--json"]) == 0
         assert main(["generate", {str(artifacts['llama'])!r}, "--prompt", "import", "--max-new-tokens", "3"]) == 0
+        from kiln.serve import create_app  # the server stays torch-free too
+        create_app({str(artifacts['bert'])!r})
         assert not any(k.split(".")[0] in ("torch", "transformers") for k in sys.modules), sorted(sys.modules)
         print("TORCH-FREE OK")
     """)

@@ -1,0 +1,419 @@
+"""The ASGI app behind ``kiln serve``: OpenAI-compatible endpoints over one loaded artifact.
+
+- Encoders: ``POST /v1/embeddings``. Requests are tokenized as they arrive (a bad one fails alone), then a
+  batcher takes what is queued, waits up to ``max_wait_ms`` for more while the batch has room (``max_batch``
+  texts), regroups the texts by length (padding within ``PAD_SLACK`` of the real tokens), runs each group and
+  splits the results back; while a batch runs, the next one collects. ``max_batch=1``: no batching.
+- Decoders: ``POST /v1/completions`` and ``/v1/chat/completions`` (the artifact's chat template), with
+  ``stream: true`` as server-sent events. Each request generates on its own worker thread (at most
+  ``max_batch`` at once, the rest queue), so concurrent requests never wait on each other's tokens; one
+  loaded model serves them all (``kiln.runtimes`` is safe under threads: pooled KV buffers per call).
+- ``GET /health``, ``GET /metrics`` (Prometheus text).
+Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for a bad request (including a prompt past the
+KV-cache capacity, with kiln's message), 404 for an endpoint this artifact's kind does not serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+import kiln.runtimes as kr
+from kiln.errors import ClosedError, InputError, KilnError, UsageError
+from kiln.serve.metrics import Metrics
+
+try:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError as e:  # pragma: no cover - the serve extra is missing
+    raise UsageError("kiln serve needs its extra: pip install 'kiln[serve]' (starlette, uvicorn, jinja2)") from e
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def error(message: str, status: int = 400, code: str = "invalid_request") -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+
+
+async def body(request: Request) -> dict[str, Any]:
+    try:
+        data = json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not JSON ({e.msg if hasattr(e, 'msg') else e})") from e
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
+def field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any, check: Callable[[Any], bool] = lambda v: True,
+          why: str = "") -> Any:
+    value = data.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, kind) or not check(value):
+        raise BadRequest(f"{name} {value!r} is invalid{': ' + why if why else ''}")
+    return value
+
+
+class EncoderBatcher:
+    """Dynamic batching: queued requests, and those arriving within ``max_wait_ms`` while there is room, run
+    together (regrouped by length)."""
+
+    def __init__(self, model: kr.Model, max_batch: int, max_wait_ms: float, metrics: Metrics) -> None:
+        self.model, self.max_batch, self.max_wait = model, max_batch, max_wait_ms / 1000
+        self.metrics = metrics
+        self.queue: asyncio.Queue[tuple[dict[str, np.ndarray], asyncio.Future]] = asyncio.Queue()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="kiln-batch")
+        self.task: asyncio.Task | None = None
+        enc = model.text_encoder
+        self.pad_id, self.left = enc.pad_id, enc.padding_side == "left"
+        self.output = "sentence_embedding" if "sentence_embedding" in model.output_names else "last_hidden_state"
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def embed(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        fut = asyncio.get_running_loop().create_future()
+        await self.queue.put((feeds, fut))
+        self.metrics.queue_depth = self.queue.qsize()
+        return await fut
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self.queue.get()]
+            rows = self._drain(items, len(items[0][0]["input_ids"]))
+            deadline = loop.time() + self.max_wait
+            while rows < self.max_batch and loop.time() < deadline:  # room left: wait for company, a slice at a time
+                await asyncio.sleep(min(WAIT_SLICE, deadline - loop.time()))
+                rows = self._drain(items, rows)
+            self.metrics.queue_depth = self.queue.qsize()
+            self.metrics.batched(rows)
+            try:
+                out = await loop.run_in_executor(self.executor, self._run, [f for f, _ in items])
+            except Exception as e:  # noqa: BLE001 - every waiter gets the failure
+                for _, fut in items:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            start = 0
+            for feeds, fut in items:
+                n = len(feeds["input_ids"])
+                if not fut.done():
+                    fut.set_result(out[start:start + n])
+                start += n
+
+    def _drain(self, items: list, rows: int) -> int:
+        """Move queued requests into ``items`` while the batch has room; returns its row count."""
+        while rows < self.max_batch and not self.queue.empty():
+            item = self.queue.get_nowait()
+            items.append(item)
+            rows += len(item[0]["input_ids"])
+        return rows
+
+    def _run(self, parts: list[dict[str, np.ndarray]]) -> np.ndarray:
+        """Every request's rows, regrouped by length so padding stays small (a batch padded to its longest text
+        wastes what batching gains on CPU: all-MiniLM-L6-v2, 32 texts padded to 54 tokens ran at 3.8 ms a text,
+        one at a time 2.9 ms; 32 rows of 16 tokens 16.6k tokens/s against 6.1k for one row), each group one model
+        run; the pooled embedding per row, in request order."""
+        rows = []  # (length, request-local arrays of one row, unpadded)
+        for p in parts:
+            lengths = p["attention_mask"].sum(1)
+            for r, n in enumerate(lengths):
+                span = slice(p["input_ids"].shape[1] - n, None) if self.left else slice(0, n)
+                rows.append((int(n), {k: v[r, span] for k, v in p.items()}))
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+        out: list[np.ndarray | None] = [None] * len(rows)
+        for group in length_groups([rows[i][0] for i in order], self.max_batch):
+            members = [order[i] for i in group]
+            width = max(rows[i][0] for i in members)
+            merged = {}
+            for name in rows[0][1]:
+                fill = self.pad_id if name == "input_ids" else 0
+                block = np.full((len(members), width), fill, np.int64)
+                for j, i in enumerate(members):
+                    n = rows[i][0]
+                    if self.left:
+                        block[j, width - n:] = rows[i][1][name]
+                    else:
+                        block[j, :n] = rows[i][1][name]
+                merged[name] = block
+            vec = self.model.run(merged)[self.output]
+            if vec.ndim == 3:  # mean over real tokens
+                mask = merged["attention_mask"][..., None].astype(np.float32)
+                vec = (vec * mask).sum(1) / np.maximum(mask.sum(1), 1)
+            for j, i in enumerate(members):
+                out[i] = vec[j]
+        return np.stack(out)
+
+
+WAIT_SLICE = 0.001
+"""Seconds between looks at the queue while a batch with room waits (``max_wait_ms``) for more requests."""
+PAD_SLACK = 1.25
+"""A length group's padded tokens are at most this many times its real tokens."""
+
+
+def length_groups(lengths: list[int], max_rows: int) -> list[list[int]]:
+    """Cut ascending ``lengths`` into runs of at most ``max_rows`` whose padding to their longest stays within
+    ``PAD_SLACK`` of their real tokens; returns index lists."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i, n in enumerate(lengths):
+        if current and (len(current) >= max_rows or (len(current) + 1) * n > PAD_SLACK * (real + n)):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+class Server:
+    def __init__(self, model: kr.Model, max_batch: int = 32, max_wait_ms: float = 5.0) -> None:
+        if max_batch < 1 or max_wait_ms < 0:
+            raise UsageError(f"--max-batch {max_batch} / --max-wait-ms {max_wait_ms:g}: give at least 1 and at least 0")
+        self.model, self.max_batch = model, max_batch
+        self.metrics = Metrics()
+        m = model.manifest.data["model"]
+        self.kind, self.task = m["kind"], m["task"]
+        self.name = str(m.get("architecture") or model.manifest.root.name)
+        self.batcher = EncoderBatcher(model, max_batch, max_wait_ms, self.metrics) if self.kind == "encoder" else None
+        self.workers = ThreadPoolExecutor(max_batch, thread_name_prefix="kiln-gen") if self.kind != "encoder" else None
+        self.generates = self.kind == "decoder" and bool(model.manifest.data.get("kv_cache")) or self.kind == "seq2seq"
+
+    # --- plumbing ----------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        routes = [Route("/health", self.health, methods=["GET"]), Route("/metrics", self.prometheus, methods=["GET"]),
+                  Route("/v1/embeddings", self.wrap("embeddings", self.embeddings), methods=["POST"]),
+                  Route("/v1/completions", self.wrap("completions", self.completions), methods=["POST"]),
+                  Route("/v1/chat/completions", self.wrap("chat", self.chat), methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"])]
+        return Starlette(routes=routes, lifespan=self.lifespan)
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if self.batcher is not None:
+            self.batcher.start()
+        yield
+        if self.batcher is not None:
+            await self.batcher.stop()
+        if self.workers is not None:
+            self.workers.shutdown(wait=False, cancel_futures=True)
+
+    def wrap(self, endpoint: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def route(request: Request) -> Response:
+            t = time.perf_counter()
+            self.metrics.in_flight += 1
+            try:
+                response = await handler(request)
+            except BadRequest as e:
+                response = error(str(e), e.status, e.code)
+            except ClosedError as e:
+                response = error(str(e), 503, "closed")
+            except KilnError as e:  # InputError (lengths, capacity, sampling): the caller's to fix
+                response = error(str(e), 400 if isinstance(e, InputError) else 500,
+                                 "invalid_input" if isinstance(e, InputError) else "model_error")
+
+            def done(status: int = response.status_code) -> None:
+                self.metrics.in_flight -= 1
+                self.metrics.request(endpoint, status, time.perf_counter() - t)
+
+            if not isinstance(response, StreamingResponse):
+                done()
+                return response
+            inner = response.body_iterator
+
+            async def counted() -> AsyncIterator[Any]:  # a stream is served until its last chunk
+                try:
+                    async for chunk in inner:
+                        yield chunk
+                finally:
+                    done()
+
+            response.body_iterator = counted()
+            return response
+
+        return route
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.name, "kind": self.kind, "task": self.task,
+                             "precision": self.model.manifest.data.get("precision")})
+
+    async def prometheus(self, request: Request) -> Response:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "kiln"}]})
+
+    def _need(self, endpoint: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise BadRequest(f"{endpoint} is not served by this artifact ({self.kind}, {self.task}); it serves {what}",
+                             404, "unsupported_endpoint")
+
+    def _served(self) -> str:
+        if self.kind == "encoder":
+            return "/v1/embeddings"
+        return "/v1/completions and /v1/chat/completions" if self.generates else "nothing generative (no KV cache)"
+
+    # --- encoders ----------------------------------------------------------------------------
+    async def embeddings(self, request: Request) -> Response:
+        self._need("/v1/embeddings", self.batcher is not None, self._served())
+        data = await body(request)
+        texts = data.get("input")
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise BadRequest("input must be a non-empty string or a non-empty list of non-empty strings")
+        if len(texts) > 2048:
+            raise BadRequest(f"input holds {len(texts)} texts; send at most 2048 per request")
+        feeds = self.model.encode(texts)  # InputError (too long, no tokens) fails this request alone
+        vectors = await self.batcher.embed(feeds)
+        tokens = int(feeds["attention_mask"].sum())
+        return JSONResponse({"object": "list", "model": self.name,
+                             "data": [{"object": "embedding", "index": i, "embedding": v.astype(float).tolist()}
+                                      for i, v in enumerate(vectors)],
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    # --- decoders ----------------------------------------------------------------------------
+    def _sampling(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("n", 1) != 1:
+            raise BadRequest("n must be 1 (one completion per request)")
+        if data.get("stop"):
+            raise BadRequest("stop sequences are not supported; generation stops at the model's end-of-text token")
+        temperature = field(data, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "in [0, 2]")
+        out = {"max_new_tokens": field(data, "max_tokens", int, 16, lambda v: v >= 1, "at least 1"),
+               "top_p": field(data, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+               "seed": field(data, "seed", int, None),
+               "do_sample": temperature > 0, "temperature": float(temperature) if temperature > 0 else 1.0}
+        return out
+
+    async def completions(self, request: Request) -> Response:
+        self._need("/v1/completions", self.generates, self._served())
+        data = await body(request)
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequest("prompt must be a non-empty string (one prompt per request)")
+        return await self._generate(prompt, self._sampling(data), bool(data.get("stream")), chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        self._need("/v1/chat/completions", self.generates, self._served())
+        data = await body(request)
+        prompt = self.model.chat_prompt(data.get("messages"))  # InputError: no template, malformed messages
+        return await self._generate(prompt, self._sampling(data), bool(data.get("stream")), chat=True)
+
+    async def _generate(self, prompt: str, sampling: dict[str, Any], stream: bool, chat: bool) -> Response:
+        loop = asyncio.get_running_loop()
+        info: dict[str, Any] = {}
+        chunks = self.model.stream(prompt, chat=chat, info=info, **sampling)
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def produce() -> None:
+            try:
+                for piece in chunks:
+                    if cancelled.is_set():  # the client went away: stop generating
+                        chunks.close()
+                        return
+                    loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+            except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+
+        self.metrics.queue_depth += 1
+        loop.run_in_executor(self.workers, produce)
+        # the first event decides the status: a request error (capacity, lengths) is a 4xx, never a broken stream
+        kind, value = await queue.get()
+        self.metrics.queue_depth -= 1
+        if kind == "error":
+            raise value
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        if not stream:
+            parts = []
+            while kind == "text":
+                parts.append(value)
+                kind, value = await queue.get()
+            if kind == "error":
+                raise value
+            text = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                      else {"index": 0, "text": text, "logprobs": None})
+            return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
+                                 "created": created, "model": self.name,
+                                 "choices": [choice | {"finish_reason": info["finish_reason"]}],
+                                 "usage": usage(info)})
+
+        def event(text: str | None, finish: str | None) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                obj = "text_completion"
+            return "data: " + json.dumps({"id": ident, "object": obj, "created": created, "model": self.name,
+                                          "choices": [choice]}) + "\n\n"
+
+        first = (kind, value)
+
+        async def sse() -> AsyncIterator[str]:
+            kind, value = first
+            try:
+                if chat:
+                    yield "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
+                                                 "model": self.name, "choices": [{"index": 0, "delta": {
+                                                     "role": "assistant"}, "finish_reason": None}]}) + "\n\n"
+                while kind == "text":
+                    yield event(value, None)
+                    kind, value = await queue.get()
+                if kind == "error":  # mid-stream: the status is sent; the error goes in the stream
+                    yield "data: " + json.dumps({"error": {"message": str(value), "type": "server_error"}}) + "\n\n"
+                else:
+                    yield event(None, info["finish_reason"])
+                yield "data: [DONE]\n\n"
+            finally:
+                cancelled.set()
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+def usage(info: dict[str, Any]) -> dict[str, int]:
+    p, c = int(info.get("prompt_tokens", 0)), int(info.get("completion_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def create_app(artifact: Any, max_batch: int = 32, max_wait_ms: float = 5.0, threads: int | None = None) -> Starlette:
+    """An ASGI app serving ``artifact`` (a path, or an already loaded ``kiln.runtimes.Model``)."""
+    # ONNX Runtime's own thread settings (its pool spins briefly between runs): measured with tools/load_serve.py,
+    # spinning off cost the batching server 5-10% (395 vs 432 req/s) and the unbatched one as much
+    model = artifact if isinstance(artifact, kr.Model) else kr.load(artifact, threads=threads)
+    if model.manifest.data["model"]["kind"] == "encoder" and not model.manifest.tokenizer:
+        raise InputError(f"{model.manifest.root} ships no tokenizer; kiln serve takes text, so compile it with one")
+    return Server(model, max_batch, max_wait_ms).app()
