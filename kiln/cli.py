@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -204,6 +206,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    signum = signal.SIGTERM
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
@@ -211,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse already printed the usage error
         return int(e.code or 0)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C (staging directories are removed on the way out) instead of dying in place
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate, "report": cmd_report,
                 "gate": cmd_gate, "bench": cmd_bench, "export-gptq": cmd_export_gptq,
@@ -218,9 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print(f"kiln {args.command}: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"kiln {args.command}: interrupted ({signal.Signals(signum).name})"
+              + ("; nothing written" if args.command in ("compile", "export-gptq", "export", "report") else ""),
+              file=sys.stderr)
+        return 128 + int(signum)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

@@ -45,3 +45,7 @@ class InputError(KilnError):
 
 class ClosedError(KilnError):
     """A loaded model was used after (or while) ``close()`` released it."""
+
+
+class OutputError(KilnError):
+    """Writing the artifact failed (a full disk, a read-only filesystem): nothing was written."""

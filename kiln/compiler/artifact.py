@@ -22,6 +22,29 @@ def check_output(output: Path, force: bool) -> None:
         raise UsageError(f"the parent directory of output {output} does not exist; create {output.parent} first")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def clean_stale(output: Path) -> list[Path]:
+    """Remove staging directories a killed compile (SIGKILL, power loss) left beside ``output``: ours by name
+    (``.NAME.kiln-tmp-PID-*``, ``.NAME.kiln-old-PID-*``) and their process gone. Returns what was removed."""
+    removed = []
+    for kind in ("tmp", "old"):
+        for d in output.parent.glob(f".{output.name}.kiln-{kind}-*-*"):
+            pid = d.name[len(f".{output.name}.kiln-{kind}-"):].split("-", 1)[0]
+            if d.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+    return removed
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -30,14 +53,22 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def staging(output: Path, force: bool) -> Iterator[Path]:
-    """Yield an empty directory beside ``output``; on success it becomes ``output``, on error it vanishes."""
+    """Yield an empty directory beside ``output``; on success it becomes ``output``, on error (or SIGINT/SIGTERM,
+    which the CLI turns into exceptions) it vanishes. A SIGKILLed compile's directory is removed by the next
+    compile to the same output (``clean_stale``)."""
     check_output(output, force)
-    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.kiln-tmp-"))
+    clean_stale(output)
+    pid = os.getpid()
+    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.kiln-tmp-{pid}-"))
     try:
         yield tmp
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an artifact is an ordinary directory
+        mask = _umask()
+        tmp.chmod(0o777 & ~mask)  # mkdtemp makes it private; an artifact is an ordinary directory
+        for f in tmp.rglob("*"):  # and its files ordinary files (ONNX writes external data 0600)
+            if f.is_file():
+                f.chmod(0o666 & ~mask)
         if output.exists():
-            old = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.kiln-old-"))
+            old = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.kiln-old-{pid}-"))
             output.replace(old / "artifact")
             tmp.replace(output)
             shutil.rmtree(old, ignore_errors=True)

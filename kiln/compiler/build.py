@@ -41,7 +41,7 @@ from kiln.compiler.scoped import torch_threads
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import verify_generation, verify_seq2seq
 from kiln.compiler.verify.parity import failures, latency, median_latency_ms, verify
-from kiln.errors import ParityError, UnsupportedModelError, UsageError
+from kiln.errors import OutputError, ParityError, UnsupportedModelError, UsageError
 from kiln.passes import run_passes
 from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION, Manifest
 
@@ -143,8 +143,13 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
     if ckpt.tokenizer_problem:
         say(f"warning: {ckpt.path}: {ckpt.tokenizer_problem}; the artifact ships no tokenizer and is verified on "
             "random token ids only")
-    with staging(output, options.force) as root, torch_threads(options.threads):
-        build(ckpt, root, options, say)
+    try:
+        with staging(output, options.force) as root, torch_threads(options.threads):
+            build(ckpt, root, options, say)
+    except OSError as e:  # the staging directory is gone again: nothing half-written stays
+        where = e.filename or output.parent
+        raise OutputError(f"writing the artifact failed: {e.strerror or e} ({where}); free space on that filesystem "
+                          f"or choose another -o; nothing was written to {output}") from e
     say(f"wrote {output}")
     return output
 

@@ -9,6 +9,7 @@ Reads JSON and TOML only: no torch, so a CI job can gate without the compile dep
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,8 +109,8 @@ def load_thresholds(config: str | Path | None, flags: dict[str, float | None], c
         for key, value in table.items():
             if key not in THRESHOLDS:
                 raise GateInputError(f"{f}: unknown threshold {key!r}; known: {', '.join(THRESHOLDS)}")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise GateInputError(f"{f}: threshold {key} = {value!r} is not a number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise GateInputError(f"{f}: threshold {key} = {value!r} is not a finite number")
             merged[key] = float(value)
     merged.update({k: float(v) for k, v in flags.items() if v is not None})
     if not merged:
@@ -134,7 +135,7 @@ def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dic
         value = values.get(metric)
         if not isinstance(value, (int, float)):
             raise GateInputError(f"{report_path} has no {metric} (needed by {key}); this threshold does not apply to "
-                                 f"a {report['model'].get('kind')} report, remove it")
+                                 f"a {(report.get('model') or {}).get('kind', 'different')} report, remove it")
         checks.append(Check(key, label, threshold, float(value), kind))
     return checks
 

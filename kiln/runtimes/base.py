@@ -89,8 +89,24 @@ class Runtime(abc.ABC):
         self.close()
 
 
-def prepare_feeds(specs: list[TensorSpec], feeds: Mapping[str, object], max_sequence_length: int) -> dict[str, np.ndarray]:
-    """Check feeds against the graph's inputs; fill optional ones; return arrays of the graph's dtypes."""
+TOKEN_INPUTS = ("input_ids", "decoder_input_ids")
+
+
+def check_token_ids(name: str, ids: np.ndarray, vocab_size: int | None) -> None:
+    """Token ids outside the vocabulary would index past the embedding table inside the graph."""
+    if vocab_size is None or ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InputError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}); "
+                         "tokenize with the artifact's tokenizer")
+
+
+def prepare_feeds(specs: list[TensorSpec], feeds: Mapping[str, object], max_sequence_length: int,
+                  vocab_size: int | None = None) -> dict[str, np.ndarray]:
+    """Check feeds against the graph's inputs (token ids against ``vocab_size`` when given); fill optional ones;
+    return arrays of the graph's dtypes."""
     known = {s.name: s for s in specs}
     unknown = sorted(set(feeds) - set(known))
     if unknown:
@@ -110,6 +126,8 @@ def prepare_feeds(specs: list[TensorSpec], feeds: Mapping[str, object], max_sequ
                 f"({', '.join(map(str, spec.shape))}); add or remove the batch axis"
             )
         arrays[name] = arr.astype(spec.dtype, copy=False)
+        if name in TOKEN_INPUTS:
+            check_token_ids(name, arr, vocab_size)
     missing = [s.name for s in specs if s.name not in arrays and not s.optional]
     if missing:
         raise InputError(f"missing input(s) {', '.join(missing)}; this artifact takes {', '.join(known)}")

@@ -9,7 +9,7 @@ import numpy as np
 
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
-from kiln.runtimes.base import Runtime, prepare_feeds
+from kiln.runtimes.base import Runtime, check_token_ids, prepare_feeds
 from kiln.runtimes.generation import as_prompt, as_source, seq2seq_steps, steps, stream_text
 from kiln.runtimes.sampling import GenerateOptions, Sampling
 from kiln.runtimes.tokenizer import TextEncoder
@@ -42,8 +42,12 @@ class Model:
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Validate feeds (names, dtypes, ranks, lengths), fill optional inputs, run the graph."""
-        arrays = prepare_feeds(self.manifest.inputs, feeds, self.max_sequence_length)
+        arrays = prepare_feeds(self.manifest.inputs, feeds, self.max_sequence_length, self.vocab_size)
         return self.runtime.run(arrays)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.manifest.data["model"].get("vocab_size")
 
     def encode(self, texts: str | list[str], truncate: bool = False,
                add_special_tokens: bool | None = None) -> dict[str, np.ndarray]:
@@ -97,6 +101,7 @@ class Model:
             return seq2seq_steps(self.seq2seq_runner, self.manifest.data, as_source(input_ids, attention_mask, pad),
                                  max_new_tokens, sampling, stop, pad, seed)
         prompt = as_prompt(input_ids, attention_mask, pad)
+        check_token_ids("input_ids", prompt.ids[prompt.mask.astype(bool)], self.vocab_size)
         return steps(self.runtime, self.manifest.data, prompt, max_new_tokens, sampling, stop, pad, seed)
 
     def seq2seq_runner(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:

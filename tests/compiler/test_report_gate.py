@@ -163,6 +163,7 @@ def test_unusable_inputs_exit_2_with_a_clear_message(trained, tmp_path, monkeypa
     (tmp_path / "bad.toml").write_text("[gate\nmin_top1_agreement = ")
     (tmp_path / "unknown.toml").write_text("[gate]\nmin_accuracy = 0.9\n")
     (tmp_path / "text.toml").write_text("[gate]\nmax_kl_mean = 'small'\n")
+    (tmp_path / "nan.toml").write_text("[gate]\nmax_kl_mean = nan\n")  # NaN would fail every comparison silently
     (tmp_path / "empty.toml").write_text("[other]\nx = 1\n")
     cases = [
         (["gate", str(tmp_path / "broken.json"), "--max-kl-mean", "1"], "is not valid JSON"),
@@ -170,7 +171,8 @@ def test_unusable_inputs_exit_2_with_a_clear_message(trained, tmp_path, monkeypa
         (["gate", str(tmp_path / "missing.json"), "--max-kl-mean", "1"], "does not exist"),
         (["gate", good, "--config", str(tmp_path / "bad.toml")], "is not valid TOML"),
         (["gate", good, "--config", str(tmp_path / "unknown.toml")], "unknown threshold 'min_accuracy'"),
-        (["gate", good, "--config", str(tmp_path / "text.toml")], "is not a number"),
+        (["gate", good, "--config", str(tmp_path / "text.toml")], "is not a finite number"),
+        (["gate", good, "--config", str(tmp_path / "nan.toml")], "max_kl_mean = nan is not a finite number"),
         (["gate", good, "--config", str(tmp_path / "empty.toml")], "has no [gate] table"),
         (["gate", good], "no thresholds"),
         (["gate", good, "--min-cosine", "0.9"], "has no cosine_min"),
