@@ -167,7 +167,8 @@ def malformed(data: dict[str, Any]) -> str | None:
         return "tokenizer.chat_template is not a file name"
     kv = data.get("kv_cache")
     if kv is not None:
-        if not isinstance(kv, dict) or not all(_is_int(kv.get(k), 1) for k in ("num_kv_heads", "head_size", "capacity")):
+        if not isinstance(kv, dict) or not all(_is_int(kv.get(k), 1)
+                                               for k in ("num_kv_heads", "head_size", "capacity")):
             return "kv_cache needs num_kv_heads, head_size and capacity"
         names = [kv.get("past"), kv.get("present")] + ([kv["cross"]] if "cross" in kv else [])
         if not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in names) or \

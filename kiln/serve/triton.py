@@ -61,7 +61,8 @@ def config(manifest: Manifest, name: str, max_batch: int, max_wait_ms: float, in
     outs = [s for s in manifest.data["outputs"] if s["name"] in outputs]
     missing = sorted(inputs - {s["name"] for s in ins})
     if missing:
-        raise UsageError(f"{manifest.root}: graph inputs {', '.join(missing)} are not in {MANIFEST}; recompile the artifact")
+        raise UsageError(f"{manifest.root}: graph inputs {', '.join(missing)} are not in {MANIFEST}; "
+                         "recompile the artifact")
     lines = [f'name: "{name}"', 'backend: "onnxruntime"', f"max_batch_size: {max_batch if batched else 0}",
              "input [", ",\n".join(tensor(s, batched) for s in ins), "]",
              "output [", ",\n".join(tensor(s, batched) for s in outs), "]"]
@@ -73,8 +74,9 @@ def config(manifest: Manifest, name: str, max_batch: int, max_wait_ms: float, in
     return "\n".join(lines) + "\n"
 
 
-def export(artifact: str | Path, out: str | Path, name: str | None = None, max_batch: int = 32, max_wait_ms: float = 5.0,
-           instances: int = 1, device: str = "cpu", threads: int | None = None, force: bool = False) -> Path:
+def export(artifact: str | Path, out: str | Path, name: str | None = None, max_batch: int = 32,
+           max_wait_ms: float = 5.0, instances: int = 1, device: str = "cpu", threads: int | None = None,
+           force: bool = False) -> Path:
     manifest = read_manifest(artifact)  # checksums first: never export a tampered artifact
     if manifest.kind == "seq2seq":
         raise UsageError(f"{artifact} is an encoder-decoder (two graphs); kiln export triton writes single-graph "

@@ -157,7 +157,7 @@ def test_serve_flags_are_checked(artifacts, capsys):
 
 
 def test_length_groups_bound_padding_and_rows():
-    from kiln.serve.app import PAD_SLACK, length_groups
+    from kiln.serve.batching import PAD_SLACK, length_groups
 
     lengths = sorted([3, 3, 4, 4, 5, 9, 10, 10, 30, 31, 60] + [7] * 40)
     groups = length_groups(lengths, 16)
