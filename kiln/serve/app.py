@@ -294,6 +294,7 @@ def create_app(artifact: Any, max_batch: int = 32, max_wait_ms: float = 5.0, thr
     # ONNX Runtime's own thread settings (its pool spins briefly between runs): measured with tools/load_serve.py,
     # spinning off cost the batching server 5-10% (395 vs 432 req/s) and the unbatched one as much
     model = artifact if isinstance(artifact, kr.Model) else kr.load(artifact, threads=threads)
-    if model.manifest.data["model"]["kind"] == "encoder" and not model.manifest.tokenizer:
-        raise InputError(f"{model.manifest.root} ships no tokenizer; kiln serve takes text, so compile it with one")
+    if not model.manifest.tokenizer:
+        raise UsageError(f"{model.manifest.root} ships no tokenizer; kiln serve takes text, so compile the artifact "
+                         "from a checkpoint with one")
     return Server(model, max_batch, max_wait_ms).app()

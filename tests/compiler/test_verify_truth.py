@@ -108,3 +108,26 @@ def test_manifest_says_where_a_tensorrt_graph_was_verified(checkpoints, tmp_path
     assert v["latency"]["measured_on"] == "onnxruntime cpu"
     report = json.loads((out / "report.json").read_text())
     assert report["verified_on"]["providers"] == ["CPUExecutionProvider"]
+
+
+def test_the_rounding_check_never_rescues_a_top1_miss():
+    """Logits whose decisive best token the artifact changes fail on top-1 alone: the FP64 reference is not even
+    built (so an ill-conditioned model cannot excuse a wrong answer)."""
+    logits = np.zeros((1, 4, 10), np.float32)
+    logits[..., 3], logits[..., 7] = 1.0, 0.95
+    swapped = logits.copy()
+    swapped[..., 3], swapped[..., 7] = 0.95, 1.0
+
+    class Logits:
+        def __init__(self, value):
+            self.value = value
+
+        def run(self, feeds):
+            return {"logits": self.value}
+
+    asked = []
+    feeds = {"input_ids": np.ones((1, 4), np.int64), "attention_mask": np.ones((1, 4), np.int64)}
+    report = verify(Logits(logits), Logits(swapped), [Case("c", feeds, "random")], "fp32",
+                    exact=lambda: asked.append(1) or Logits(logits))
+    out = report["cases"][0]["outputs"]["logits"]
+    assert report["passed"] is False and out["top1_agreement"] == 0.0 and "rounding" not in out and not asked

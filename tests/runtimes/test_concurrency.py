@@ -106,3 +106,27 @@ def test_close_during_use_raises_kilns_error(artifacts):
         model.run({"input_ids": np.ones((1, 3), np.int64)})
     with pytest.raises(ClosedError):
         model.generate([[1, 2]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_request_sized_buffers_generate_what_hugging_face_does(artifacts, family):
+    """A 64-position buffer (half the tiny models' 128 capacity) through the whole generation: token for token
+    Hugging Face's greedy output, and the same as a whole-capacity buffer."""
+    import torch
+    from conftest import make_model
+
+    rows = [[5, 9, 17, 33, 2, 60, 7, 8, 99], [12, 3, 44, 5]]
+    width = max(map(len, rows))
+    ids = np.zeros((2, width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    with torch.inference_mode():
+        ref = make_model(family, "causal-lm").generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                                       max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                                       pad_token_id=0).numpy()
+    with kr.load(artifacts[family], threads=1) as model:
+        assert bucket(width + 40, int(model.manifest.data["kv_cache"]["capacity"])) == 64
+        got = model.generate(rows, max_new_tokens=40, stop_token_ids=[], pad_token_id=0)
+        assert model.runtime.pool._idle[0][1]["past_key_values.0.key"].shape[2] == 64
+    np.testing.assert_array_equal(got, ref)

@@ -150,10 +150,17 @@ def test_encoder_bad_requests(artifacts):
     assert empty.status_code == 400 and gen.status_code == 404
 
 
-def test_serve_flags_are_checked(artifacts, capsys):
+def test_serve_flags_are_checked(artifacts, capsys, tmp_path):
+    from conftest import save_checkpoint
+
+    from kiln.compiler import compile
+
     assert main(["serve", str(artifacts["bert"]), "--port", "0"]) == 2
     assert main(["serve", str(artifacts["bert"]), "--max-batch", "0"]) == 2
     assert "give at least 1" in capsys.readouterr().err
+    bare = compile(save_checkpoint(tmp_path / "ck", "llama", "causal-lm", tokenizer=False), tmp_path / "a",
+                   fast_options())
+    assert main(["serve", str(bare)]) == 2 and "ships no tokenizer" in capsys.readouterr().err
 
 
 def test_length_groups_bound_padding_and_rows():

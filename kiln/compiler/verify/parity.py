@@ -150,7 +150,8 @@ def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: s
             replace(tol, min_cosine=tol.random_min_cosine, min_mean_cosine=None)
         outputs = {n: compare_output(n, ref[n], got[n], mask, case_tol) for n in ref}
         abs_only = [n for n, o in outputs.items() if o["passed"] is False and "error" not in o and
-                    tol.min_cosine is None and o["max_abs"] > o["atol"] and (o.get("top1_agreement") or 1.0) >= tol.min_top1]
+                    tol.min_cosine is None and o["max_abs"] > o["atol"] and
+                    (o.get("top1_agreement") is None or o["top1_agreement"] >= tol.min_top1)]
         if abs_only and exact is not None:
             if progress:
                 progress(f"verify {case.name}: over the FP32 bound; measuring PyTorch's own FP32 rounding against FP64")
