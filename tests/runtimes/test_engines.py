@@ -1,0 +1,85 @@
+"""TensorRT engine bookkeeping without a GPU: --profile parsing, profiles from the manifest's dynamic axes (a
+decoder's zero-length past included), the cache key, and the reason a stale or foreign engine is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kiln.runtimes as kr
+from kiln.errors import UsageError
+from kiln.runtimes.engines import EngineRecord, axis_ranges, cache_key, input_profiles, parse_profile, refusal
+
+
+def test_profile_flag_parses_and_refuses_nonsense():
+    assert parse_profile("batch=1:4:8, seq=1:128:512,past=0:64:255") == {
+        "batch": (1, 4, 8), "sequence": (1, 128, 512), "past_sequence": (0, 64, 255)}
+    for bad, words in (("batch=1:4", "AXIS=MIN:OPT:MAX"), ("width=1:2:3", "AXIS=MIN:OPT:MAX"),
+                       ("batch=4:2:8", "MIN <= OPT <= MAX"), ("batch=a:b:c", "AXIS=MIN:OPT:MAX"),
+                       ("batch=0:0:0", "MAX >= 1")):
+        with pytest.raises(UsageError, match=words):
+            parse_profile(bad)
+
+
+def test_encoder_profiles_follow_the_dynamic_axes(artifacts):
+    m = kr.load(artifacts["bert"]).manifest.data
+    ranges = axis_ranges(m)
+    seq_max = m["dynamic_axes"]["sequence"]["max"]
+    assert ranges == {"batch": (1, 1, 8), "sequence": (1, min(128, seq_max), seq_max)}
+    shapes = input_profiles(m, axis_ranges(m, parse_profile("batch=1:4:16,seq=1:16:32")))
+    assert shapes["input_ids"] == ((1, 1), (4, 16), (16, 32)) and set(shapes) == {s["name"] for s in m["inputs"]}
+    with pytest.raises(UsageError, match="outside what the artifact allows"):
+        axis_ranges(m, {"sequence": (1, 8, seq_max + 1)})
+    with pytest.raises(UsageError, match="no past_sequence axis"):
+        axis_ranges(m, {"past_sequence": (0, 1, 2)})
+
+
+def test_decoder_profile_covers_prefill_and_decode(artifacts):
+    m = kr.load(artifacts["llama"]).manifest.data
+    cap = m["kv_cache"]["capacity"]
+    ranges = axis_ranges(m)
+    assert ranges["past_sequence"][0] == 0 and ranges["past_sequence"][2] == cap - 1  # a zero-length past is allowed
+    assert ranges["total_sequence"] == (1, ranges["past_sequence"][1] + 1, cap)
+    shapes = input_profiles(m, ranges)
+    key = shapes["past_key_values.0.key"]
+    kv = m["kv_cache"]
+    assert key[0] == (1, kv["num_kv_heads"], 0, kv["head_size"]) and key[2][2] == cap - 1
+    assert shapes["logits_to_keep"] == ((), (), ())
+
+
+def record(**kw):
+    base = dict(tensorrt="10.8.0", compute_capability="9.0", profiles={"input_ids": ((1, 1), (1, 128), (8, 512))},
+                precision="fp16", graph_sha256="ab" * 32)
+    return EngineRecord(**(base | kw))
+
+
+def test_cache_key_changes_with_each_of_its_five_parts():
+    base = record()
+    variants = [record(tensorrt="11.0.0"), record(compute_capability="8.9"), record(precision="int8"),
+                record(graph_sha256="cd" * 32), record(profiles={"input_ids": ((1, 1), (1, 64), (8, 512))})]
+    keys = {base.key} | {v.key for v in variants}
+    assert len(keys) == 6 and all(len(k) == 16 for k in keys)
+    assert cache_key("10.8.0", "9.0", {"input_ids": ((1, 1), (1, 128), (8, 512))}, "fp16", "ab" * 32) == base.key
+    again = EngineRecord.from_json(json.loads(json.dumps(base.to_json())))
+    assert again == base and again.key == base.to_json()["key"]
+
+
+@pytest.mark.parametrize("stored,words", [
+    (record(graph_sha256="cd" * 32), "different graph"),
+    (record(tensorrt="10.7.0"), "TensorRT 10.7.0, this is TensorRT 10.8.0"),
+    (record(compute_capability="8.6"), "compute capability 8.6, this GPU is 9.0"),
+    (record(precision="int8"), "precision recipe int8, asked for fp16"),
+    (record(profiles={"input_ids": ((1, 1), (1, 64), (8, 512))}), "profiles differ"),
+])
+def test_stale_or_foreign_engines_are_refused_with_the_reason(stored, words):
+    why = refusal(stored, record())
+    assert why is not None and words in why and "kiln build-engine --force" in why
+
+
+def test_a_matching_engine_may_run_and_a_broken_record_is_an_artifact_error():
+    assert refusal(record(), record()) is None
+    from kiln.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="rebuild it"):
+        EngineRecord.from_json({"tensorrt": "10"})
