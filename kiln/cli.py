@@ -141,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="--prompt is a user message: rendered through the artifact's chat template")
     gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--backend", default="onnxruntime", help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
 
     r = sub.add_parser("run", help="run an artifact once on text or token ids")
     r.add_argument("artifact")
@@ -149,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", help="comma-separated token ids")
     r.add_argument("--truncate", action="store_true", help="cut text longer than the model's maximum")
     r.add_argument("--threads", type=int, default=None)
+    r.add_argument("--backend", default="onnxruntime", help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
     r.add_argument("--top", type=int, default=5, help="how many labels or next tokens to show")
     r.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -187,6 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     tri.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="instance_group kind")
     tri.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads per instance")
     tri.add_argument("--force", action="store_true", help="replace the model if the repository has it")
+    be = sub.add_parser("build-engine", help="a TensorRT engine for this GPU (needs TensorRT and an NVIDIA GPU)")
+    be.add_argument("artifact")
+    be.add_argument("--profile", help="optimization profile, e.g. batch=1:4:8,seq=1:128:512 (default: from the manifest)")
+    be.add_argument("--precision", help="the precision recipe recorded with the engine (default: the artifact's)")
+    be.add_argument("--workspace-gb", type=float, default=4.0)
+    be.add_argument("--force", action="store_true", help="rebuild even if a current engine exists")
     srv = sub.add_parser("serve", help="serve an artifact over HTTP (OpenAI-compatible; needs kiln[serve])")
     srv.add_argument("artifact")
     srv.add_argument("--host", default="127.0.0.1")
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate, "report": cmd_report,
                 "gate": cmd_gate, "bench": cmd_bench, "export-gptq": cmd_export_gptq,
-                "serve": cmd_serve, "export": cmd_export}[args.command](args)
+                "serve": cmd_serve, "export": cmd_export, "build-engine": cmd_build_engine}[args.command](args)
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -395,9 +403,7 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import kiln.runtimes as kr
-
-    model = kr.load(args.artifact, threads=args.threads)
+    model = _load(args)
     sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                     stop_token_ids=args.stop_id, seed=args.seed)
@@ -418,6 +424,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def cmd_build_engine(args: argparse.Namespace) -> int:
+    from kiln.runtimes.tensorrt import build
+
+    print(build(args.artifact, precision=args.precision, profile=args.profile, force=args.force,
+                workspace_gb=args.workspace_gb, say=lambda m: print(m, file=sys.stderr)))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """An artifact for run/generate on --backend; ``auto`` says on stderr what it chose and why."""
+    import kiln.runtimes as kr
+
+    if args.backend not in kr.BACKENDS:
+        raise UsageError(f"--backend {args.backend!r}; choose one of {', '.join(kr.BACKENDS)}")
+    model = kr.load(args.artifact, backend=args.backend, threads=args.threads)
+    if args.backend == "auto":
+        b = model.backend
+        print(f"kiln {args.command}: backend {b['name']} ("
+              + "; ".join(f"{k} skipped: {v}" for k, v in b["skipped"].items()) + ")", file=sys.stderr)
+    return model
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -446,9 +474,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import kiln.runtimes as kr
-
-    model = kr.load(args.artifact, threads=args.threads)
+    model = _load(args)
     if model.manifest.kind == "seq2seq":
         raise UsageError(f"{args.artifact} is an encoder-decoder artifact: kiln run shows one forward pass of a "
                          "single-graph model; use kiln generate --prompt TEXT")

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from kiln.errors import ArtifactError, InputError, KilnError
@@ -14,18 +15,60 @@ from kiln.runtimes.artifact import Manifest, TensorSpec, read_manifest
 from kiln.runtimes.base import Runtime
 from kiln.runtimes.model import Model
 
-BACKENDS = ("onnxruntime",)
+BACKENDS = ("auto", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda")
+"""``auto``: the first that can run here, in the order TensorRT (an engine for this GPU), ONNX Runtime CUDA, ONNX
+Runtime CPU; the choice and the reasons for skipping the others are logged and kept in ``Model.backend``.
+``onnxruntime`` is ``onnxruntime-cpu``."""
+
+log = logging.getLogger("kiln.runtimes")
 
 __all__ = ["load", "open_manifest", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "InputError", "KilnError"]
 
 
 def make_runtime(backend: str, threads: int | None = None, optimization: str = "all",
                  session_config: dict[str, str] | None = None) -> Runtime:
-    if backend == "onnxruntime":
+    if backend in ("onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda"):
         from kiln.runtimes.onnxruntime import OnnxRuntime
 
-        return OnnxRuntime(threads=threads, optimization=optimization, session_config=session_config)
+        providers = ["CPUExecutionProvider"]
+        if backend == "onnxruntime-cuda":
+            why = cuda_missing()
+            if why:
+                raise ArtifactError(f"backend onnxruntime-cuda: {why}; pip install 'kiln[gpu]' (onnxruntime-gpu) on "
+                                    "a machine with an NVIDIA GPU, or use backend onnxruntime-cpu")
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return OnnxRuntime(threads=threads, providers=providers, optimization=optimization,
+                           session_config=session_config)
     raise ArtifactError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def cuda_missing() -> str | None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "this onnxruntime has no CUDA execution provider"
+    from kiln.runtimes.tensorrt import compute_capability
+
+    return None if compute_capability() else "no NVIDIA GPU is visible"
+
+
+def choose_backend(manifest: Manifest) -> tuple[str, dict[str, str]]:
+    """``auto``: the backend to use here and why each one before it was skipped."""
+    from kiln.runtimes.tensorrt import engines_dir, missing
+
+    skipped: dict[str, str] = {}
+    trt_missing = missing()
+    if trt_missing:
+        skipped["tensorrt"] = trt_missing
+    elif not any(engines_dir(manifest).glob("*.plan")):
+        skipped["tensorrt"] = f"no engine in {engines_dir(manifest)} (kiln build-engine {manifest.root})"
+    else:
+        skipped["tensorrt"] = "kiln's TensorRT runtime backend is not in this release; engines are built only"
+    why = cuda_missing()
+    if why is None:
+        return "onnxruntime-cuda", skipped
+    skipped["onnxruntime-cuda"] = why
+    return "onnxruntime-cpu", skipped
 
 
 def load(path: str | Path, backend: str = "onnxruntime", threads: int | None = None,
@@ -43,8 +86,14 @@ def open_manifest(manifest: Manifest, backend: str = "onnxruntime", threads: int
                   optimization: str = "all", session_config: dict[str, str] | None = None) -> Model:
     """Start the backend on an artifact whose manifest is already read (the compiler verifies its staged
     artifact this way before it writes the manifest once)."""
+    chosen, skipped = (choose_backend(manifest) if backend == "auto" else (backend, {}))
+    if backend == "auto":
+        log.info("backend auto: %s (%s)", chosen, "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     runtimes = {}
     for graph in manifest.data["graphs"]:  # "model"; or "encoder" and "decoder"
-        runtimes[graph] = make_runtime(backend, threads=threads, optimization=optimization, session_config=session_config)
+        runtimes[graph] = make_runtime(chosen, threads=threads, optimization=optimization, session_config=session_config)
         runtimes[graph].load(manifest, graph)
-    return Model(manifest, runtimes)
+    model = Model(manifest, runtimes)
+    model.backend = {"name": "onnxruntime-cpu" if chosen == "onnxruntime" else chosen, "requested": backend,
+                     "skipped": skipped}
+    return model

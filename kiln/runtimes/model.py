@@ -27,6 +27,8 @@ class Model:
         # single-graph artifacts: the graph; encoder-decoders: the encoder (run() runs it alone)
         self.runtime = self.runtimes.get("model") or self.runtimes["encoder"]
         self._encoder: TextEncoder | None = None
+        self.backend: dict[str, Any] = {"name": "onnxruntime-cpu", "requested": "onnxruntime", "skipped": {}}
+        """Which backend runs the graphs, what was asked for, and (``auto``) why the others were skipped."""
 
     @property
     def input_names(self) -> list[str]:

@@ -83,3 +83,39 @@ def test_a_matching_engine_may_run_and_a_broken_record_is_an_artifact_error():
 
     with pytest.raises(ArtifactError, match="rebuild it"):
         EngineRecord.from_json({"tensorrt": "10"})
+
+
+def test_build_engine_without_tensorrt_or_gpu_is_one_line_exit_1(artifacts, capsys):
+    from kiln.cli import main
+    from kiln.runtimes.tensorrt import missing
+
+    why = missing()
+    if why is None:
+        pytest.skip("this machine has TensorRT and a GPU: tools/gpu_check.py is the check there")
+    assert main(["build-engine", str(artifacts["bert"])]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1 and err[0].startswith("kiln build-engine: error: kiln build-engine needs TensorRT and an "
+                                               "NVIDIA GPU: " + why) and "pip install 'kiln[gpu]'" in err[0]
+    assert not (artifacts["bert"] / "engines").exists()
+
+
+def test_auto_backend_falls_back_to_cpu_and_says_why(artifacts, capsys, caplog):
+    import logging
+
+    from kiln.cli import main
+    from kiln.runtimes.tensorrt import missing
+
+    if missing() is None:
+        pytest.skip("this machine has TensorRT and a GPU")
+    with caplog.at_level(logging.INFO, logger="kiln.runtimes"):
+        model = kr.load(artifacts["bert"], backend="auto")
+    assert model.backend["name"] == "onnxruntime-cpu" and model.backend["requested"] == "auto"
+    assert set(model.backend["skipped"]) == {"tensorrt", "onnxruntime-cuda"}
+    assert "backend auto: onnxruntime-cpu" in caplog.text
+    assert main(["run", str(artifacts["bert"]), "--text", "hello", "--backend", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert "backend onnxruntime-cpu (tensorrt skipped: " in err and "onnxruntime-cuda skipped: " in err
+    assert main(["run", str(artifacts["bert"]), "--text", "hello", "--backend", "onnxruntime-cuda"]) == 1
+    err = capsys.readouterr().err
+    assert "backend onnxruntime-cuda: " in err and "pip install 'kiln[gpu]' (onnxruntime-gpu)" in err
+    assert main(["run", str(artifacts["bert"]), "--text", "hello", "--backend", "tpu"]) == 2
