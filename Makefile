@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 ANCHOR_VENV ?= .venv-anchor
 
-.PHONY: install demo test bench anchor-venv clean
+.PHONY: install demo test typecheck bench anchor-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-test: $(STAMP)
+test: $(STAMP) typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# mypy over the TensorRT modules against the public tensorrt-stubs (no GPU needed); part of make test
+typecheck: $(STAMP)
+	$(PY) tools/typecheck.py
 
 # The anchor (optimum-onnx + ONNX Runtime optimizer) lives in its own venv: it pins an older transformers.
 $(ANCHOR_VENV)/.installed:

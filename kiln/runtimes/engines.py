@@ -82,9 +82,8 @@ def input_profiles(manifest: dict[str, Any], ranges: dict[str, Range]) -> dict[s
     """(min, opt, max) shape of every input from the axis ranges (static dims as they are)."""
     out: dict[str, Shapes] = {}
     for spec in manifest["inputs"]:
-        dims = spec["shape"]
-        out[spec["name"]] = tuple(tuple(d if isinstance(d, int) else ranges[d][i] for d in dims)  # type: ignore[misc]
-                                  for i in range(3))
+        lo, opt, hi = (tuple(d if isinstance(d, int) else ranges[d][i] for d in spec["shape"]) for i in range(3))
+        out[spec["name"]] = (lo, opt, hi)
     return out
 
 

@@ -61,11 +61,14 @@ def compute_capability() -> str | None:
 
 
 def tensorrt_version() -> str | None:
+    """The installed TensorRT's version; None when it is absent, or present only as type stubs (``tensorrt-stubs``
+    installs a bare ``tensorrt`` namespace package: importable, but no library behind it)."""
     try:
         import tensorrt as trt
     except ImportError:
         return None
-    return str(trt.__version__)
+    version = getattr(trt, "__version__", None)
+    return str(version) if version and hasattr(trt, "Builder") else None
 
 
 def missing() -> str | None:
@@ -122,7 +125,7 @@ def build(artifact: str | Path, precision: str | None = None, profile: str | Non
     opt = builder.create_optimization_profile()
     for name, (lo, mid, hi) in profiles.items():
         if any(network.get_input(i).name == name for i in range(network.num_inputs)):
-            opt.set_shape(name, lo, mid, hi)
+            opt.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(mid)), trt.Dims(list(hi)))
     config.add_optimization_profile(opt)
     timing_path = out / f"timing-{trt.__version__}-{wanted.compute_capability}.cache"
     cache = config.create_timing_cache(timing_path.read_bytes() if timing_path.is_file() else b"")
