@@ -163,6 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-seconds", type=float, default=bo.budget_s, help="timing budget per system and shape")
     b.add_argument("--rounds", type=int, default=bo.rounds, help="alternating rounds the budget is split into")
     b.add_argument("--threads", type=int, default=bo.threads)
+    b.add_argument("--backend", default=bo.backend, help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
@@ -175,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--max-tokens", type=int, default=ro.max_tokens, help=f"tokens per text (default {ro.max_tokens})")
     rep.add_argument("--latency-seconds", type=float, default=ro.latency_s, help="time spent measuring latency")
     rep.add_argument("--threads", type=int, default=ro.threads)
+    rep.add_argument("--backend", default=ro.backend, help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
     rep.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     exp = sub.add_parser("export", help="an artifact in another serving system's layout")
@@ -351,7 +353,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kiln.evaluate.bench import bench, table
     from kiln.evaluate.options import BenchOptions
 
-    opts = BenchOptions(tuple(args.batch_size), tuple(args.seq_len), args.budget_seconds, args.rounds, args.threads)
+    opts = BenchOptions(tuple(args.batch_size), tuple(args.seq_len), args.budget_seconds, args.rounds, args.threads,
+                        args.backend)
     result = bench(args.artifact, args.eager, args.compare, opts, progress=_Progress(args.quiet))
     print(table(result))
     if args.json:
@@ -364,7 +367,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from kiln.evaluate.options import ReportOptions
     from kiln.evaluate.report import report
 
-    opts = ReportOptions(args.max_texts, args.max_tokens, args.latency_seconds, args.threads)
+    opts = ReportOptions(args.max_texts, args.max_tokens, args.latency_seconds, args.threads, args.backend)
     result = report(args.artifact, args.reference, args.data, args.output, opts, progress=_Progress(args.quiet))
     lat = result["latency"]
     print("\n".join(f"{k:>22}: {v:.6g}" if isinstance(v, float) else f"{k:>22}: {v}" for k, v in result["metrics"].items()))

@@ -34,10 +34,10 @@ class System:
         self.name, self.forward, self.generate, self.size_bytes = name, forward, generate, size_bytes
 
 
-def artifact_system(path: str | Path, threads: int | None) -> tuple[System, kr.Model]:
+def artifact_system(path: str | Path, threads: int | None, backend: str = "onnxruntime") -> tuple[System, kr.Model]:
     from kiln.runtimes.base import prepare_feeds
 
-    model = kr.load(path, threads=threads, session_config={"session.intra_op.allow_spinning": "0"})
+    model = kr.load(path, backend=backend, threads=threads, session_config={"session.intra_op.allow_spinning": "0"})
     decoder = "kv_cache" in model.manifest.data
     seq2seq = "encoder" in model.runtimes
 
@@ -112,11 +112,11 @@ def _bench(artifact: str | Path, eager: str | Path | None, compare: str | Path |
     batch_sizes, seq_lens, budget_s, rounds, threads = list(o.batch_sizes), list(o.seq_lens), o.budget_s, o.rounds, o.threads
     if not batch_sizes or min(batch_sizes) < 1 or not seq_lens or min(seq_lens) < 1:
         raise UsageError("--batch-size and --seq-len take positive integers, e.g. --batch-size 1 8 --seq-len 128")
-    main_system, model = artifact_system(artifact, threads)
+    main_system, model = artifact_system(artifact, threads, o.backend)
     decoder = main_system.generate is not None
     systems = [main_system]
     if compare is not None:
-        other = artifact_system(compare, threads)[0]
+        other = artifact_system(compare, threads, o.backend)[0]
         other.name = "compare"
         systems.append(other)
     if eager is not None:
@@ -173,7 +173,7 @@ def _bench(artifact: str | Path, eager: str | Path | None, compare: str | Path |
     return {"schema": "kiln-bench", "schema_version": 1, "artifact": str(Path(artifact).absolute()),
             "compare": str(Path(compare).absolute()) if compare else None, "eager": str(Path(eager).absolute()) if eager else None,
             "kind": model.manifest.data["model"]["kind"], "precision": model.manifest.data.get("precision"),
-            "threads": threads, "budget_s": budget_s, "rounds": rounds,
+            "threads": threads, "budget_s": budget_s, "rounds": rounds, "backend": model.backend,
             "artifact_size_mb": main_system.size_bytes / 2**20,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if sys.platform != "darwin"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -185,7 +185,7 @@ def table(result: dict[str, Any]) -> str:
     head = f"{'batch':>5} {'seq':>5} {'system':<9} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} " + \
         (f"{'prefill tok/s':>14} {'decode tok/s':>13}" if decoder else f"{'seq/s':>9} {'tok/s':>10}") + f" {'artifact speed-up':>18}"
     lines = [f"{result['artifact']} ({result['kind']}, {result['precision']}): {result['artifact_size_mb']:.1f} MB on disk, "
-             f"peak RSS {result['peak_rss_mb']:.0f} MB"]
+             f"peak RSS {result['peak_rss_mb']:.0f} MB, backend {(result.get('backend') or {}).get('name', 'onnxruntime-cpu')}"]
     lines += [f"  {role}: {result[role]}" for role in ("compare", "eager") if result.get(role)]
     lines.append(head)
     for e in result["results"]:

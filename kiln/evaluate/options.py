@@ -13,6 +13,8 @@ class BenchOptions:
     """Timing budget per system and shape, split over ``rounds`` alternating rounds."""
     rounds: int = 5
     threads: int | None = None
+    backend: str = "onnxruntime"
+    """kiln.runtimes.BACKENDS; ``auto`` picks one and the result records which and why."""
 
 
 @dataclass(frozen=True)
@@ -24,3 +26,5 @@ class ReportOptions:
     latency_s: float = 3.0
     """Seconds spent measuring the latency distribution."""
     threads: int | None = None
+    backend: str = "onnxruntime"
+    """kiln.runtimes.BACKENDS; ``auto`` picks one and report.json's measured_on records which and why."""

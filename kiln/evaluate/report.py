@@ -52,7 +52,7 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
     say = progress or (lambda msg: log.info(msg))
     from kiln.evaluate import render
 
-    model = kr.load(artifact, threads=o.threads)
+    model = kr.load(artifact, backend=o.backend, threads=o.threads)
     ckpt = load_checkpoint(reference)
     kind = model.manifest.data["model"]["kind"]
     if kind not in ("encoder", "decoder"):
@@ -73,7 +73,8 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
         "data": {"path": str(Path(data).absolute()), "texts": len(rows), "tokens": int(sum(map(len, rows)))},
         "model": {k: model.manifest.data["model"].get(k) for k in ("architecture", "kind", "task")}
         | {"precision": model.manifest.data.get("precision"), "target": model.manifest.data.get("target")},
-        "measured_on": {"backend": "onnxruntime", "device": "cpu", "threads": o.threads},
+        "measured_on": {"backend": model.backend["name"], "device": "cuda" if "cuda" in model.backend["name"] else "cpu",
+                        "threads": o.threads, "requested": o.backend, "skipped": model.backend["skipped"]},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     errors: dict[str, list[np.ndarray]] = {}

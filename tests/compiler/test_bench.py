@@ -20,6 +20,7 @@ def test_encoder_against_eager_and_json(artifacts, checkpoints, tmp_path, capsys
     assert data["schema"] == "kiln-bench" and data["kind"] == "encoder" and data["artifact_size_mb"] > 0
     assert data["peak_rss_mb"] > 0 and data["eager"] and [(e["batch"], e["seq_len"]) for e in data["results"]] == [
         (1, 8), (1, 16), (2, 8), (2, 16)]
+    assert data["backend"]["name"] == "onnxruntime-cpu" and "backend onnxruntime-cpu" in printed
     for e in data["results"]:
         art, eager = e["systems"]["artifact"], e["systems"]["eager"]
         for r in (art, eager):
@@ -44,9 +45,9 @@ def test_numbers_from_a_known_clock(monkeypatch):
             now[0] += ms / 1e3
         return B.System(name, forward, None, 3 * 2**20)
 
-    fake = SimpleNamespace(max_sequence_length=64,
+    fake = SimpleNamespace(max_sequence_length=64, backend={"name": "onnxruntime-cpu"},
                            manifest=SimpleNamespace(data={"model": {"kind": "encoder", "vocab_size": 100}, "precision": "fp32"}))
-    monkeypatch.setattr(B, "artifact_system", lambda path, threads: (system("artifact", 2.0), fake))
+    monkeypatch.setattr(B, "artifact_system", lambda path, threads, backend: (system("artifact", 2.0), fake))
     monkeypatch.setattr(B, "eager_system", lambda path, decoder: system("eager", 6.0))
     monkeypatch.setattr("kiln.compiler.scoped.torch_threads", lambda n: __import__("contextlib").nullcontext())
     result = B.bench("art", eager="ckpt", options=BenchOptions(batch_sizes=(4,), seq_lens=(16,), budget_s=0.1, rounds=2))
@@ -85,3 +86,15 @@ def test_encoder_decoder_times_the_encoder_and_decoding(seq2seq_artifacts, tmp_p
     data = json.loads(out.read_text())
     r = data["results"][0]["systems"]["artifact"]
     assert data["kind"] == "seq2seq" and r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+
+
+def test_auto_backend_is_recorded(artifacts, tmp_path, capsys):
+    from kiln.runtimes.tensorrt import missing
+
+    if missing() is None:
+        pytest.skip("this machine has TensorRT and a GPU")
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(artifacts["bert"]), "--batch-size", "1", "--seq-len", "8", "--budget-seconds", "0.1",
+                 "--rounds", "1", "-q", "--backend", "auto", "--json", str(out)]) == 0
+    b = json.loads(out.read_text())["backend"]
+    assert b["name"] == "onnxruntime-cpu" and b["requested"] == "auto" and "tensorrt" in b["skipped"]
