@@ -333,8 +333,7 @@ def parity_table(manifest: dict[str, Any]) -> str:
         lines.append(f"  {what}; cost vs eager FP32: {', '.join(cost)}; speed: {gain}")
     p = v.get("pruning")
     if p:
-        def span(counts: list[int]) -> str:
-            return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
+        from kiln.compiler.prune import span
 
         o = p["original"]
         line = (f"  pruned ({p['method']}, {'adaptive' if p.get('adaptive') else 'uniform'}): heads {o['heads']} -> "

@@ -27,6 +27,8 @@ from bench_encoder import SESSION_CONFIG, cpu_name  # noqa: E402
 from bench_int4 import compile_variant, size_mb  # noqa: E402
 from eval_perplexity import perplexity  # noqa: E402
 
+from kiln.compiler.prune import span  # noqa: E402
+
 METHODS = {"flap": [], "flap adaptive": ["--prune-layers", "adaptive"], "wanda": ["--prune-method", "wanda"],
            "magnitude": ["--prune-method", "magnitude"]}
 
@@ -88,8 +90,7 @@ def main() -> int:
           f"{'size MB':>8}  compile-time cost (64 held-out texts)")
     for name in models:
         pr = manifests[name].get("pruning")
-        kept = "-" if pr is None else (str(pr["ffn_per_layer"][0]) if len(set(pr["ffn_per_layer"])) == 1
-                                       else f"{min(pr['ffn_per_layer'])}-{max(pr['ffn_per_layer'])}")
+        kept = "-" if pr is None else span(pr["ffn_per_layer"])
         cost = "" if pr is None else ", ".join(f"{k} {v:.4g}" for k, v in pr["cost"].items() if k != "texts")
         change = 100 * (ppl[name] / ppl["fp32"] - 1)
         pct = f"{change:+.1f}%" if abs(change) < 1e4 else f"{change:+.2g}%"

@@ -501,17 +501,7 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
     if summary:
         report["quantization"] = summary
     if ckpt.pruning is not None:
-        report["pruning"] = pruning_summary(ckpt.pruning, report.get("latency"))
+        from kiln.compiler import prune as prune_lib
+
+        report["pruning"] = prune_lib.summary(ckpt.pruning, report.get("latency"))
     return report
-
-
-def pruning_summary(pruning: dict[str, Any], lat: dict[str, Any] | None) -> dict[str, Any]:
-    """What --prune removed and cost (against the original, held-out text) next to what it gained: the artifact's
-    latency against the original eager model, timed on the same feeds as verification's latency."""
-    out = {k: pruning[k] for k in ("method", "adaptive", "original", "heads_per_layer", "ffn_per_layer", "cost")
-           if k in pruning}
-    if lat and pruning.get("original_eager_ms"):
-        out["original_eager_ms"] = pruning["original_eager_ms"]
-        out["speedup_vs_original_eager"] = pruning["original_eager_ms"] / lat["artifact_ms"]
-        out["eager_speedup"] = pruning["original_eager_ms"] / lat["eager_ms"]
-    return out

@@ -208,7 +208,7 @@ def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_s
         cfg.num_key_value_heads = len(plan.kv[0])
     cfg.intermediate_size = max(ffn_per_layer)
     say(f"prune ({spec.method}{', per-layer counts' if plan.adaptive else ''}): heads {num_heads} -> "
-        f"{_span(heads_per_layer)} per layer, FFN channels {inter} -> {_span(ffn_per_layer)}")
+        f"{span(heads_per_layer)} per layer, FFN channels {inter} -> {span(ffn_per_layer)}")
     return {"method": spec.method, "heads": spec.heads, "ffn": spec.ffn, "adaptive": plan.adaptive,
             "original": {"heads": num_heads, "kv_heads": num_kv_heads, "ffn": inter},
             "kv_heads": len(plan.kv[0]), "heads_per_layer": heads_per_layer, "ffn_per_layer": ffn_per_layer,
@@ -217,8 +217,21 @@ def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_s
             "calibration_tokens": sum(int(f["attention_mask"].sum()) for f in feeds) if stats else 0, "layers": record}
 
 
-def _span(counts: list[int]) -> str:
+def span(counts: list[int]) -> str:
+    """Per-layer counts for reading: ``9`` when every layer kept 9, ``5-12`` otherwise."""
     return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
+
+
+def summary(pruning: dict[str, Any], lat: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What --prune removed and cost (against the original, held-out text), and, given verification's ``lat``,
+    what it gained: the artifact's latency against the original eager model, timed on the same feeds."""
+    out = {k: pruning[k] for k in ("method", "adaptive", "original", "heads_per_layer", "ffn_per_layer", "cost")
+           if k in pruning}
+    if lat and pruning.get("original_eager_ms"):
+        out["original_eager_ms"] = pruning["original_eager_ms"]
+        out["speedup_vs_original_eager"] = pruning["original_eager_ms"] / lat["artifact_ms"]
+        out["eager_speedup"] = pruning["original_eager_ms"] / lat["eager_ms"]
+    return out
 
 
 def _standardised(x: Any) -> Any:

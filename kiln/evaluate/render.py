@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from kiln.compiler.prune import span
+
 LABELS = {
     "ppl_reference": "perplexity, reference", "ppl_artifact": "perplexity, artifact",
     "ppl_increase_pct": "perplexity increase (%)", "top1_agreement": "next-token top-1 agreement",
@@ -65,9 +67,6 @@ def markdown(result: dict[str, Any]) -> str:
 
 def pruned_line(p: dict[str, Any]) -> str:
     """One sentence: what --prune removed per layer and what compile measured it cost on held-out text."""
-    def span(counts: list[int]) -> str:
-        return str(counts[0]) if len(set(counts)) == 1 else f"{min(counts)}-{max(counts)}"
-
     o = p.get("original", {})
     text = (f"Pruned ({p.get('method')}, {'adaptive' if p.get('adaptive') else 'uniform'} per-layer counts): heads "
             f"{o.get('heads', '?')} -> {span(p['heads_per_layer'])}, FFN channels {o.get('ffn', '?')} -> "

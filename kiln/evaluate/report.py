@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import kiln.runtimes as kr
-from kiln.compiler import graphrun
+from kiln.compiler import graphrun, prune
 from kiln.compiler.corpus import read_texts
 from kiln.compiler.load import load_checkpoint
 from kiln.compiler.scoped import torch_threads
@@ -91,7 +91,9 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
         result["layers"] = layer_errors(Path(artifact), model, ckpt, rows[:8], o.threads)
     pruning = model.manifest.data.get("pruning")
     if pruning:  # against the original checkpoint, each layer's error is what pruning (and precision) cost there
-        result["pruning"] = pruning_summary(pruning)
+        result["pruning"] = prune.summary(pruning)  # the manifest's record; its cost is what compile measured
+        if "cost" in result["pruning"]:
+            result["pruning"]["compile_cost"] = result["pruning"].pop("cost")
         kept = {r["layer"] + 1: r for r in pruning.get("layers", [])}  # hidden_states[i] is layer i-1's output
         for r in result["layers"]:
             if r["layer"] in kept:
@@ -101,14 +103,6 @@ def report(artifact: str | Path, reference: str | Path, data: str | Path, out: s
     render.write(result, errors, Path(out))
     say(f"report: wrote {Path(out) / 'report.json'}, report.md, report.html")
     return result
-
-
-def pruning_summary(pruning: dict[str, Any]) -> dict[str, Any]:
-    """What ``--prune`` removed (from the manifest), and the cost compile measured on its held-out split."""
-    out = {k: pruning[k] for k in ("method", "adaptive", "original", "heads_per_layer", "ffn_per_layer") if k in pruning}
-    if "cost" in pruning:
-        out["compile_cost"] = pruning["cost"]
-    return out
 
 
 def _feeds(ids: list[int]) -> dict[str, np.ndarray]:
