@@ -81,6 +81,14 @@ def missing() -> str | None:
     return " and ".join(problems) or None
 
 
+def graph_sha256(manifest: Manifest) -> str:
+    """The graph's identity for the cache key: its file and its external weights, from the sha256s ``read_manifest``
+    has just checked (no second read of a multi-GB file)."""
+    name = manifest.graph_path().name
+    parts = sorted((f, h) for f, h in manifest.data["files"].items() if f == name or f.startswith(name + "."))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def engines_dir(manifest: Manifest) -> Path:
     return manifest.root / "engines"
 
@@ -99,8 +107,7 @@ def build(artifact: str | Path, precision: str | None = None, profile: str | Non
     recipe = precision or str(manifest.data.get("precision"))
     profiles = input_profiles(manifest.data, axis_ranges(manifest.data, parse_profile(profile) if profile else None))
     graph = manifest.graph_path()
-    wanted = EngineRecord(str(trt.__version__), compute_capability() or "", profiles, recipe,
-                          hashlib.sha256(graph.read_bytes()).hexdigest())
+    wanted = EngineRecord(str(trt.__version__), compute_capability() or "", profiles, recipe, graph_sha256(manifest))
     out = engines_dir(manifest)
     plan, record_path = out / f"{wanted.key}.plan", out / f"{wanted.key}.json"
     if plan.is_file() and record_path.is_file() and not force:

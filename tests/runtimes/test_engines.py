@@ -119,3 +119,18 @@ def test_auto_backend_falls_back_to_cpu_and_says_why(artifacts, capsys, caplog):
     err = capsys.readouterr().err
     assert "backend onnxruntime-cuda: " in err and "pip install 'kiln[gpu]' (onnxruntime-gpu)" in err
     assert main(["run", str(artifacts["bert"]), "--text", "hello", "--backend", "tpu"]) == 2
+
+
+def test_graph_identity_covers_the_external_weights(artifacts):
+    """The cache key's graph sha256 comes from the manifest's checked file sha256s: the graph file and the weights
+    beside it, so new weights in the same graph structure make a different key."""
+    from kiln.runtimes.artifact import read_manifest
+    from kiln.runtimes.tensorrt import graph_sha256
+
+    m = read_manifest(artifacts["llama"])
+    base = graph_sha256(m)
+    assert len(base) == 64 and graph_sha256(read_manifest(artifacts["llama"])) == base
+    data = dict(m.data, files=dict(m.data["files"], **{"model.onnx.data": "00" * 32}))
+    assert graph_sha256(type(m)(m.root, data)) != base
+    data = dict(m.data, files={k: v for k, v in m.data["files"].items() if not k.startswith("tokenizer")})
+    assert graph_sha256(type(m)(m.root, data)) == base  # other files do not matter
