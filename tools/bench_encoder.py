@@ -49,6 +49,21 @@ def median_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def alternating_medians(systems: dict, rounds: int, runs: int) -> dict[str, float]:
+    """Median ms per system: a warm-up each, then ``rounds`` rounds of ``median_ms(fn, runs)``. Each round starts one
+    system later and pauses before each, so no system always runs right after (and against the spinning threads of)
+    the same other one."""
+    for fn in systems.values():
+        median_ms(fn, 3)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    order = list(systems)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            time.sleep(0.2)
+            times[name].append(median_ms(systems[name], runs))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def build_anchor(python: str, ckpt: Path, out: Path, threads: int, int8: bool = False):
     """Export + optimise (+ quantize_dynamic per-channel when ``int8``) in the anchor's own environment;
     return an ORT session over its graph."""
@@ -139,17 +154,7 @@ def main() -> int:
         if anchor:
             systems["anchor"] = run_anchor
         errs = {name: float(np.abs(ref - fn()).max()) for name, fn in systems.items() if name != "eager"}
-        for fn in systems.values():  # warm-up
-            median_ms(fn, 3)
-        times: dict[str, list[float]] = {name: [] for name in systems}
-        order = list(systems)
-        for r in range(args.rounds):
-            # Rotate who goes first and let the previous system's threads go idle, so no system
-            # always runs right after (and against the spinning threads of) the same other one.
-            for name in order[r % len(order):] + order[:r % len(order)]:
-                time.sleep(0.2)
-                times[name].append(median_ms(systems[name], args.runs))
-        med = {name: statistics.median(t) for name, t in times.items()}
+        med = alternating_medians(systems, args.rounds, args.runs)
         e, k = med["eager"], med["kiln"]
         row = f"{batch:>5} {e:>9.2f}"
         if anchor:

@@ -11,10 +11,8 @@ all-MiniLM-L6-v2, sequence 128, 2 threads. Accuracy: sentence-embedding cosine a
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_encoder import SESSION_CONFIG, build_anchor, cpu_name, median_ms  # noqa: E402
+from bench_encoder import SESSION_CONFIG, alternating_medians, build_anchor, cpu_name  # noqa: E402
 
 
 def heldout_sentences(n: int = 200) -> list[str]:
@@ -114,16 +112,8 @@ def main() -> int:
             afeeds = {k: v for k, v in {**feeds, "token_type_ids": np.zeros_like(ids)}.items()
                       if k in {i.name for i in anchor.get_inputs()}}
             systems["anchor"] = lambda: anchor.run(None, afeeds)
-        times = {n: [] for n in systems}
-        order = list(systems)
         with torch.inference_mode():
-            for fn in systems.values():
-                median_ms(fn, 3)
-            for r in range(args.rounds):
-                for name in order[r % len(order):] + order[:r % len(order)]:
-                    time.sleep(0.2)
-                    times[name].append(median_ms(systems[name], 10 if batch == 1 else 4))
-        med = {n: statistics.median(t) for n, t in times.items()}
+            med = alternating_medians(systems, args.rounds, 10 if batch == 1 else 4)
         a = med.get("anchor", float("nan"))
         print(f"{batch:>5} {med['eager']:>9.2f} {a:>10.2f} {med['kiln']:>9.2f} {med['eager'] / a:>12.2f}x "
               f"{med['eager'] / med['kiln']:>10.2f}x {a / med['kiln']:>11.2f}x")

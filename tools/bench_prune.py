@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_encoder import SESSION_CONFIG, cpu_name, median_ms  # noqa: E402
+from bench_encoder import SESSION_CONFIG, alternating_medians, cpu_name  # noqa: E402
 from bench_int4_encoder import pool  # noqa: E402
 from bench_int8 import heldout_sentences  # noqa: E402
 
@@ -87,14 +86,7 @@ def main() -> int:
         ids = rng.integers(1000, 30000, size=(batch, 128), dtype=np.int64)
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         systems = {n: (lambda m=m: m.run(feeds)) for n, m in models.items()}
-        times = {n: [] for n in systems}
-        for fn in systems.values():
-            median_ms(fn, 3)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                time.sleep(0.2)
-                times[name].append(median_ms(systems[name], 10 if batch == 1 else 4))
-        med = {n: statistics.median(t) for n, t in times.items()}
+        med = alternating_medians(systems, args.rounds, 10 if batch == 1 else 4)
         print(f"{batch:>5} " + " ".join(f"{med[n]:>13.2f}" for n in names) + f"   {med['fp32'] / med['flap']:.2f}x")
     for m in models.values():
         m.close()
