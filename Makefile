@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 ANCHOR_VENV ?= .venv-anchor
 
-.PHONY: install demo test typecheck bench anchor-venv clean
+.PHONY: install demo test typecheck gpu-check bench anchor-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP) typecheck
 # mypy over the TensorRT modules against the public tensorrt-stubs (no GPU needed); part of make test
 typecheck: $(STAMP)
 	$(PY) tools/typecheck.py
+
+# On a machine with an NVIDIA GPU (after pip install -e '.[gpu]'): TensorRT engines built, run and timed (< 8 min)
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py
 
 # The anchor (optimum-onnx + ONNX Runtime optimizer) lives in its own venv: it pins an older transformers.
 $(ANCHOR_VENV)/.installed:

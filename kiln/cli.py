@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="--prompt is a user message: rendered through the artifact's chat template")
     gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--backend", default="onnxruntime", help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
+    gen.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
 
     r = sub.add_parser("run", help="run an artifact once on text or token ids")
     r.add_argument("artifact")
@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", help="comma-separated token ids")
     r.add_argument("--truncate", action="store_true", help="cut text longer than the model's maximum")
     r.add_argument("--threads", type=int, default=None)
-    r.add_argument("--backend", default="onnxruntime", help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
+    r.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
     r.add_argument("--top", type=int, default=5, help="how many labels or next tokens to show")
     r.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-seconds", type=float, default=bo.budget_s, help="timing budget per system and shape")
     b.add_argument("--rounds", type=int, default=bo.rounds, help="alternating rounds the budget is split into")
     b.add_argument("--threads", type=int, default=bo.threads)
-    b.add_argument("--backend", default=bo.backend, help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
+    b.add_argument("--backend", default=bo.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--max-tokens", type=int, default=ro.max_tokens, help=f"tokens per text (default {ro.max_tokens})")
     rep.add_argument("--latency-seconds", type=float, default=ro.latency_s, help="time spent measuring latency")
     rep.add_argument("--threads", type=int, default=ro.threads)
-    rep.add_argument("--backend", default=ro.backend, help="onnxruntime(-cpu) | onnxruntime-cuda | auto")
+    rep.add_argument("--backend", default=ro.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
     rep.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     exp = sub.add_parser("export", help="an artifact in another serving system's layout")
@@ -305,6 +305,10 @@ def parity_table(manifest: dict[str, Any]) -> str:
     on = v.get("verified_on")
     if on:
         lines.append(f"  verified on {on['backend']} {on['device']}" + (f" ({on['note']})" if on.get("note") else ""))
+    num = v.get("numerics")
+    if num:
+        lines.append(f"  {manifest['precision']} numerics {num['graph']} on {num['ran_on']}: {num['how']}; latency not "
+                     "measured (an emulation's speed is not the engine's: tools/gpu_check.py times engines)")
     gen = v.get("generation")
     if gen:
         lines.append(f"  generation: {gen['steps']} greedy steps x batch {gen['batch']} through the cache, tokens identical "

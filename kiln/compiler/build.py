@@ -30,6 +30,7 @@ from kiln.compiler.options import (
     LM_HEADS,
     PRECISIONS,
     QUANT_METHODS,
+    REDUCED_FLOAT,
     TARGETS,
     TASKS,
     CompileOptions,
@@ -55,6 +56,9 @@ GENERATION_STEPS = 16
 def _check_options(options: CompileOptions) -> None:
     if options.precision not in PRECISIONS:
         raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+    if options.precision in REDUCED_FLOAT and options.target != "tensorrt":
+        raise UsageError(f"--precision {options.precision} builds a graph for TensorRT's FP16/BF16 kernels (ONNX Runtime "
+                         f"CPU has no fast ones); add --target tensorrt, or use --precision int8 for the CPU")
     if options.max_length is not None and options.max_length < 2:
         raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
     if options.prune:
@@ -424,6 +428,36 @@ def exact_copy(root: Path) -> Path:
     return out
 
 
+FP16_CPU_UNFAITHFUL = ("ONNX Runtime CPU loads it, but its FP16 graph is not IEEE-faithful at overflow (a decomposed "
+                       "RMSNorm whose x**2 exceeds 65504 returns the FP32 answer there, zeros in IEEE FP16: "
+                       "tests/passes/test_reduce_precision.py), so it would hide what a strongly typed engine stores")
+
+
+def numerics_graph(root: Path, precision: str) -> tuple[Path, dict[str, Any]]:
+    """FP16/BF16 (TensorRT graphs): a scratch directory holding the FP32 emulation of the graph's rounding
+    (kiln/compiler/verify/emulate.py), which verification runs, and a record of how and why."""
+    import onnxruntime as ort
+
+    from kiln.compiler.verify.emulate import emulate
+
+    dtype = REDUCED_FLOAT[precision]
+    try:
+        ort.InferenceSession(str(root / GRAPH), providers=["CPUExecutionProvider"])
+        why = FP16_CPU_UNFAITHFUL
+    except Exception as e:  # ORT's untyped errors: only a missing kernel is expected here
+        if "NOT_IMPLEMENTED" not in str(e):
+            raise
+        why = "ONNX Runtime CPU: " + str(e).split(":", 3)[-1].strip().splitlines()[0]
+    out = Path(tempfile.mkdtemp(prefix="kiln-emulate-"))
+    for f in root.iterdir():
+        if f.is_file() and not f.name.startswith(GRAPH):
+            shutil.copy2(f, out / f.name)
+    onnx.save_model(emulate(onnx.load(str(root / GRAPH))), str(out / GRAPH), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=GRAPH + ".data")
+    return out, {"graph": "emulated", "ran_on": "onnxruntime-cpu",
+                 "how": f"FP32 kernels with every {dtype} value rounded to {dtype} where it is produced", "why": why}
+
+
 def copy_tokenizer(ckpt: Checkpoint, root: Path) -> None:
     if ckpt.tokenizer is None:
         return
@@ -458,8 +492,11 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                                                                           options.seed)
         eager = trace.EagerRunner(ckpt)
         exact_dir = exact_copy(root) if codes is not None else None
+        emulated, numerics = numerics_graph(root, options.precision) if options.precision in REDUCED_FLOAT else (None, {})
+        if numerics:
+            say(f"verify the {options.precision} graph's numerics: {numerics['how']}")
         try:
-            with kr.open_manifest(staged, threads=options.threads) as artifact, \
+            with kr.open_manifest(Manifest(emulated, data) if emulated else staged, threads=options.threads) as artifact, \
                     (kr.open_manifest(Manifest(exact_dir, data), threads=options.threads, session_config=EXACT_SESSION)
                      if exact_dir
                      else contextlib.nullcontext()) as exact_artifact:
@@ -481,13 +518,16 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                                             data["generation"]["pad_token_id"])
                     report["generation"] = gen
                     report["passed"] = gen["passed"]
-                if report["passed"]:
+                if numerics:
+                    report["numerics"] = numerics
+                if report["passed"] and not emulated:  # an emulation's speed is not the engine's
                     say("measure latency (eager vs artifact)")
                     feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
                     report["latency"] = latency(eager, artifact, feeds, options.latency_budget_s)
         finally:
-            if exact_dir is not None:
-                shutil.rmtree(exact_dir, ignore_errors=True)
+            for scratch in (exact_dir, emulated):
+                if scratch is not None:
+                    shutil.rmtree(scratch, ignore_errors=True)
     report = {"schema_version": SCHEMA_VERSION, "checkpoint": str(ckpt.path),
               "verified_on": manifest_lib.VERIFIED_ON, **report}
     if not report["passed"]:

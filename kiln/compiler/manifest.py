@@ -145,9 +145,12 @@ def verification(report: dict[str, Any], options: CompileOptions) -> dict[str, A
     """The manifest's summary of a passed verification, saying where it ran (never implying a GPU)."""
     on = dict(VERIFIED_ON, threads=options.threads)
     if options.target != "cpu":
-        on["note"] = (f"target {options.target}: the graph was verified and timed on ONNX Runtime CPU; "
-                      "no TensorRT engine was built or run")
+        how = ("verified on ONNX Runtime CPU through an FP32 emulation of its rounding, not timed"
+               if report.get("numerics") else "the graph was verified and timed on ONNX Runtime CPU")
+        on["note"] = f"target {options.target}: {how}; no TensorRT engine was built or run"
     out: dict[str, Any] = {"status": "passed", "report": "report.json", "verified_on": on, "summary": report["summary"]}
+    if report.get("numerics"):
+        out["numerics"] = report["numerics"]
     if report.get("latency"):
         out["latency"] = dict(report["latency"], measured_on=f"{on['backend']} {on['device']}")
     if report.get("quantization"):

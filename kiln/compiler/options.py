@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm", "text2text-generation")
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+REDUCED_FLOAT = {"fp16": "float16", "bf16": "bfloat16"}
+"""TensorRT-only precisions: the graph stores weights and activations in this type (kiln/passes/reduce_precision.py)."""
 """int8: weights int8 per output channel; activations quantized at run time (dynamic, the cpu default) or
 with calibrated ranges in QDQ form (``static``; always on the tensorrt target, symmetric there).
 int4: weight-only 4-bit codes in groups along the input dimension (GPTQ or round-to-nearest), MatMulNBits on

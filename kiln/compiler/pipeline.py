@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.compiler.options import CompileOptions
+from kiln.compiler.options import REDUCED_FLOAT, CompileOptions
 from kiln.errors import KilnError, UsageError
 from kiln.passes import Pass
 from kiln.passes.canonicalize_attention import CanonicalizeAttention
@@ -34,6 +34,7 @@ from kiln.passes.fuse_mha import FuseMultiHeadAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
 from kiln.passes.kv_cache import AddKVCache
 from kiln.passes.pin_norms import PinNormsFP32
+from kiln.passes.reduce_precision import ReducePrecision
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.quantize_nbits import Codebook, QuantizeBlockwise
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
@@ -109,6 +110,7 @@ STAGES: dict[str, Stage] = {
     # 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py).
     "decompose-norm": Stage(lambda f, o, d: DecomposeNorm()),
     "canonicalize-attention": Stage(lambda f, o, d: CanonicalizeAttention(f.head_size), coverage="canonical"),
+    "reduce-precision": Stage(lambda f, o, d: ReducePrecision(REDUCED_FLOAT[o.precision])),
     "pin-norms-fp32": Stage(lambda f, o, d: PinNormsFP32()),
     "check-tensorrt-ops": Stage(lambda f, o, d: CheckTensorRTOps()),
     "gemm-to-matmul": Stage(lambda f, o, d: GemmToMatMul()),
@@ -186,6 +188,11 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
                                       "check-tensorrt-ops"),
     ("tensorrt", "decoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
                                       "check-tensorrt-ops"),
+    # FP16 / BF16: weights and activations reduced, index-derived values and IO kept, then norms, softmax and
+    # reductions pinned back to FP32 (TensorRT's networks are strongly typed: the graph's types are the precision)
+    **{("tensorrt", kind, p): (*CLEANUP, "canonicalize-attention", "reduce-precision", "pin-norms-fp32",
+                               "eliminate-dead-nodes", "check-tensorrt-ops")
+       for kind in ("encoder", "decoder") for p in ("fp16", "bf16")},
     ("tensorrt", "encoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",
                                              "eliminate-dead-nodes", "check-tensorrt-ops"),
     ("tensorrt", "decoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",

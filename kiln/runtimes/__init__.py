@@ -15,7 +15,7 @@ from kiln.runtimes.artifact import Manifest, TensorSpec, read_manifest
 from kiln.runtimes.base import Runtime
 from kiln.runtimes.model import Model
 
-BACKENDS = ("auto", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda")
+BACKENDS = ("auto", "tensorrt", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda")
 """``auto``: the first that can run here, in the order TensorRT (an engine for this GPU), ONNX Runtime CUDA, ONNX
 Runtime CPU; the choice and the reasons for skipping the others are logged and kept in ``Model.backend``.
 ``onnxruntime`` is ``onnxruntime-cpu``."""
@@ -39,6 +39,10 @@ def make_runtime(backend: str, threads: int | None = None, optimization: str = "
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         return OnnxRuntime(threads=threads, providers=providers, optimization=optimization,
                            session_config=session_config)
+    if backend == "tensorrt":
+        from kiln.runtimes.tensorrt import TensorRTRuntime
+
+        return TensorRTRuntime()
     raise ArtifactError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -54,16 +58,16 @@ def cuda_missing() -> str | None:
 
 def choose_backend(manifest: Manifest) -> tuple[str, dict[str, str]]:
     """``auto``: the backend to use here and why each one before it was skipped."""
-    from kiln.runtimes.tensorrt import engines_dir, missing
+    from kiln.runtimes.tensorrt import usable_engine
 
     skipped: dict[str, str] = {}
-    trt_missing = missing()
-    if trt_missing:
-        skipped["tensorrt"] = trt_missing
-    elif not any(engines_dir(manifest).glob("*.plan")):
-        skipped["tensorrt"] = f"no engine in {engines_dir(manifest)} (kiln build-engine {manifest.root})"
+    if len(manifest.data["graphs"]) > 1:
+        skipped["tensorrt"] = "encoder-decoder artifacts run on ONNX Runtime only"
     else:
-        skipped["tensorrt"] = "kiln's TensorRT runtime backend is not in this release; engines are built only"
+        plan, why_not = usable_engine(manifest)
+        if plan is not None:
+            return "tensorrt", skipped
+        skipped["tensorrt"] = why_not
     why = cuda_missing()
     if why is None:
         return "onnxruntime-cuda", skipped

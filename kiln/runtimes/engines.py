@@ -126,15 +126,42 @@ def cache_key(tensorrt: str, compute_capability: str, profiles: dict[str, Shapes
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def refusal(record: EngineRecord, wanted: EngineRecord) -> str | None:
-    """Why the stored engine must not run here (None: it may). Names the first difference, most fundamental first."""
+def refusal(record: EngineRecord, wanted: EngineRecord, profiles: bool = True) -> str | None:
+    """Why the stored engine must not run here (None: it may). Names the first difference, most fundamental first.
+    ``profiles=False`` (loading to run, where any profile that covers the feeds will do) skips the profile check."""
     checks = (("graph_sha256", "it was built from a different graph (the artifact was recompiled)"),
               ("tensorrt", "it was built by TensorRT {old}, this is TensorRT {new} (engines do not carry over)"),
               ("compute_capability", "it was built for compute capability {old}, this GPU is {new}"),
               ("precision", "it was built with precision recipe {old}, asked for {new}"),
               ("profiles", "its optimization profiles differ from the ones asked for"))
     for field, why in checks:
+        if field == "profiles" and not profiles:
+            continue
         old, new = getattr(record, field), getattr(wanted, field)
         if (_plain(old) != _plain(new)) if field == "profiles" else old != new:
             return why.format(old=old, new=new) + "; rebuild it with kiln build-engine --force"
+    return None
+
+
+def pick(stored: list[tuple[str, EngineRecord]], wanted: EngineRecord) -> tuple[str | None, list[str]]:
+    """The first stored engine (name, record) that may run for ``wanted`` (its profiles aside), and why each one
+    before it may not: a stale or foreign engine is refused with its reason, never run."""
+    refused: list[str] = []
+    for name, record in stored:
+        why = refusal(record, wanted, profiles=False)
+        if why is None:
+            return name, refused
+        refused.append(f"{name}: {why}")
+    return None, refused
+
+
+def outside_profile(shapes: dict[str, tuple[int, ...]], profiles: dict[str, Shapes]) -> str | None:
+    """The first fed input whose shape the engine's profile does not cover, said with the profile's range."""
+    for name, shape in shapes.items():
+        if name not in profiles:
+            continue
+        lo, _, hi = profiles[name]
+        if len(shape) != len(lo) or any(s < a or s > b for s, a, b in zip(shape, lo, hi)):
+            return (f"input {name} has shape {list(shape)}, outside the engine's profile {list(lo)}..{list(hi)}; "
+                    "rebuild with kiln build-engine --profile covering it")
     return None

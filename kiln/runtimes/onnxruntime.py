@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from collections.abc import Mapping
 
 import numpy as np
@@ -47,7 +48,7 @@ class OnnxRuntime(Runtime):
         try:
             self._session = ort.InferenceSession(str(path), opts, providers=self.providers)
         except Exception as e:  # ORT raises its own untyped errors
-            raise ArtifactError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}; recompile the artifact") from e
+            raise _load_failure(e, path, manifest, self.providers) from e
         self._path = str(path)
         self._output_names = [o.name for o in self._session.get_outputs()]
         # The manifest may list inputs the graph no longer reads (eliminate-unused-io): accepted, not fed.
@@ -200,6 +201,23 @@ class SharedBufferCache(CacheRunner):
             self.binding = None
             self.runtime.pool.give(self.shape, self.arrays)
             self.arrays = {}
+
+
+REDUCED_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def _load_failure(e: Exception, path: Path, manifest: Manifest, providers: list[str]) -> ArtifactError:
+    """A graph ONNX Runtime cannot load. A missing kernel in a reduced-precision (TensorRT) graph is the device's
+    limit, not a broken artifact: say where it runs instead."""
+    first = str(e).splitlines()[0]
+    dtype = REDUCED_NAMES.get(str(manifest.data.get("precision")))
+    if "NOT_IMPLEMENTED" in first and dtype:
+        op = first.split("implementation for ", 1)[-1].split(" node", 1)[0] if "implementation for " in first else "an op"
+        where = ", ".join(p.replace("ExecutionProvider", "") for p in providers)
+        return ArtifactError(f"{path}: ONNX Runtime ({where}) has no {dtype} kernel for {op}; this {dtype} graph is for "
+                             "TensorRT: run it on a GPU (--backend tensorrt or onnxruntime-cuda) or compile with "
+                             "--precision fp16 or fp32 for ONNX Runtime CPU")
+    return ArtifactError(f"ONNX Runtime cannot load {path}: {first}; recompile the artifact")
 
 
 def _run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:

@@ -9,8 +9,16 @@ errors reported per node, one optimization profile per ``engines.input_profiles`
 load checks with ``engines.refusal``). Precision lives in the graph (TensorRT 11 removed the builder's precision
 flags): the artifact's own Casts and Q/DQ decide it.
 
-Not yet here: the runtime backend that executes a plan (execute_async_v3, device buffers, the KV cache on the GPU)
-and the GPU check script; nothing in this module has run on a GPU.
+The runtime backend (``TensorRTRuntime``, ``backend="tensorrt"``) loads the first engine in ``engines/`` whose record
+matches this TensorRT, this GPU, the artifact's precision and graph (a stale or foreign one is refused with the reason),
+keeps one execution context, device buffers that grow to the largest shape seen, and one CUDA stream; a run sets
+each input's shape, copies the feeds in, ``execute_async_v3``, copies the outputs out. Device memory and streams come
+from the CUDA driver API through ctypes (``CudaDriver``): no torch, pycuda or cuda-python. TensorRT-target decoders
+have no KV cache in their graph (TensorRT's parser takes ONNX ``Attention`` without cache outputs, so
+``check-tensorrt-ops`` refuses them), so they run whole sequences: no GPU-resident cache yet.
+
+Nothing in this module has run on a GPU in kiln's CI: it is written to TensorRT's documented API, type-checked
+against ``tensorrt-stubs`` (``make typecheck``), and ``tools/gpu_check.py`` exercises it where a GPU is.
 """
 
 from __future__ import annotations
@@ -18,13 +26,26 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError, UsageError
+import numpy as np
+
+from kiln.errors import ArtifactError, InputError, KilnError, UsageError
 from kiln.runtimes.artifact import Manifest, read_manifest
-from kiln.runtimes.engines import EngineRecord, axis_ranges, input_profiles, parse_profile, refusal
+from kiln.runtimes.base import Runtime
+from kiln.runtimes.engines import (
+    EngineRecord,
+    axis_ranges,
+    input_profiles,
+    outside_profile,
+    parse_profile,
+    pick,
+    refusal,
+)
 
 INSTALL = ("pip install 'kiln[gpu]' on a machine with an NVIDIA GPU (the tensorrt-cu12 wheels come from NVIDIA's "
            "index: --extra-index-url https://pypi.nvidia.com)")
@@ -38,16 +59,21 @@ class EngineBuildError(KilnError):
     """TensorRT could not parse or build the artifact's graph."""
 
 
+def _libcuda() -> Any:
+    """The CUDA driver library, or None where there is no NVIDIA driver."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
 def compute_capability() -> str | None:
     """The first GPU's compute capability ("9.0") through the CUDA driver API, or None when there is no driver
     or no device (no torch, no CUDA toolkit needed)."""
-    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-        try:
-            cuda = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
+    cuda = _libcuda()
+    if cuda is None:
         return None
     count, dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value < 1:
@@ -150,3 +176,192 @@ def build(artifact: str | Path, precision: str | None = None, profile: str | Non
     say(f"built {plan} in {time.perf_counter() - t:.0f} s (TensorRT {trt.__version__}, compute capability "
         f"{wanted.compute_capability}, precision {recipe})")
     return plan
+
+
+def stored_engines(manifest: Manifest) -> list[tuple[str, EngineRecord]]:
+    """Every engine record in the artifact's ``engines/`` with a plan beside it, newest first."""
+    out = []
+    folder = engines_dir(manifest)
+    records = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
+    for path in records:
+        if path.name.startswith("timing-") or not path.with_suffix(".plan").is_file():
+            continue
+        try:
+            out.append((path.with_suffix(".plan").name, EngineRecord.from_json(json.loads(path.read_text()))))
+        except (ValueError, ArtifactError):
+            continue  # a torn or foreign record: not an engine this kiln can vouch for
+    return out
+
+
+def usable_engine(manifest: Manifest) -> tuple[Path | None, str]:
+    """The engine this machine may run for the artifact, or None and why not (one phrase)."""
+    problem = missing()
+    if problem:
+        return None, problem
+    stored = stored_engines(manifest)
+    if not stored:
+        return None, f"no engine in {engines_dir(manifest)} (kiln build-engine {manifest.root})"
+    wanted = EngineRecord(tensorrt_version() or "", compute_capability() or "", {}, str(manifest.data.get("precision")),
+                          graph_sha256(manifest))
+    name, refused = pick(stored, wanted)
+    if name is None:
+        return None, "; ".join(refused)
+    return engines_dir(manifest) / name, ""
+
+
+class CudaError(KilnError):
+    """A CUDA driver call failed."""
+
+
+class CudaDriver:
+    """The few CUDA driver calls the backend needs (primary context, stream, device memory, async copies), through
+    ctypes: TensorRT runs in the device's primary context, the one the CUDA runtime uses too."""
+
+    def __init__(self, device: int = 0) -> None:
+        lib = _libcuda()
+        if lib is None:
+            raise EngineUnavailableError(f"backend tensorrt: no CUDA driver (libcuda) on this machine; {INSTALL}")
+        self.lib = lib
+        self._check(lib.cuInit(0), "cuInit")
+        self.device = ctypes.c_int()
+        self._check(lib.cuDeviceGet(ctypes.byref(self.device), device), "cuDeviceGet")
+        self.context = ctypes.c_void_p()
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), self.device), "cuDevicePrimaryCtxRetain")
+        self._check(lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.stream = ctypes.c_void_p()
+        self._check(lib.cuStreamCreate(ctypes.byref(self.stream), 0), "cuStreamCreate")
+
+    def _check(self, code: int, call: str) -> None:
+        if code != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(code, ctypes.byref(text))
+            raise CudaError(f"CUDA {call} failed: {(text.value or b'error %d' % code).decode()}")
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1))), "cuMemAlloc")
+        return int(ptr.value)
+
+    def free(self, ptr: int) -> None:
+        self._check(self.lib.cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree")
+
+    def to_device(self, ptr: int, array: np.ndarray) -> None:
+        self._check(self.lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(ptr), array.ctypes.data_as(ctypes.c_void_p),
+                                                  ctypes.c_size_t(array.nbytes), self.stream), "cuMemcpyHtoDAsync")
+
+    def to_host(self, array: np.ndarray, ptr: int) -> None:
+        self._check(self.lib.cuMemcpyDtoHAsync_v2(array.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(ptr),
+                                                  ctypes.c_size_t(array.nbytes), self.stream), "cuMemcpyDtoHAsync")
+
+    def synchronize(self) -> None:
+        self._check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    @property
+    def stream_handle(self) -> int:
+        return int(self.stream.value or 0)
+
+    def close(self) -> None:
+        if self.stream.value:
+            self.lib.cuStreamDestroy_v2(self.stream)
+            self.stream = ctypes.c_void_p()
+        if self.context.value:
+            self.lib.cuDevicePrimaryCtxRelease_v2(self.device)
+            self.context = ctypes.c_void_p()
+
+
+class TensorRTRuntime(Runtime):
+    """Runs an artifact's TensorRT engine (``backend="tensorrt"``): whole-graph runs; decoders without a cache."""
+
+    name = "tensorrt"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: dict[str, tuple[int, int]] = {}  # tensor name -> (device pointer, bytes)
+        self._engine: Any = None
+        self._context: Any = None
+        self._cuda: CudaDriver | None = None
+        self._inputs: list[str] = []
+        self._outputs: list[str] = []
+        self._profiles: dict[str, Any] = {}
+        self._dtypes: dict[str, np.dtype] = {}
+        self._runtime: Any = None
+        self.plan: Path | None = None
+
+    def load(self, manifest: Manifest, graph: str = "model") -> None:
+        if graph != "model":
+            raise ArtifactError("backend tensorrt runs single-graph artifacts; use backend onnxruntime for "
+                                "encoder-decoders")
+        plan, why = usable_engine(manifest)
+        if plan is None:
+            fix = f"; {INSTALL}" if missing() else ""
+            raise EngineUnavailableError(f"backend tensorrt cannot run {manifest.root}: {why}{fix}")
+        import tensorrt as trt
+
+        self._cuda = CudaDriver()
+        logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(logger)
+        self._engine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
+        if self._engine is None:
+            raise ArtifactError(f"TensorRT {trt.__version__} could not deserialize {plan}; rebuild it with "
+                                "kiln build-engine --force")
+        self._context = self._engine.create_execution_context()
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        self._inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self._outputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self._dtypes = {n: np.dtype(trt.nptype(self._engine.get_tensor_dtype(n))) for n in names}
+        self._profiles = {n: tuple(tuple(d) for d in self._engine.get_tensor_profile_shape(n, 0)) for n in self._inputs}
+        self.plan = plan
+
+    def _buffer(self, name: str, nbytes: int) -> int:
+        assert self._cuda is not None
+        ptr, size = self._buffers.get(name, (0, 0))
+        if size < nbytes:
+            if ptr:
+                self._cuda.free(ptr)
+            ptr, size = self._cuda.alloc(nbytes), nbytes
+            self._buffers[name] = (ptr, size)
+        return ptr
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self._context is None or self._cuda is None:
+            from kiln.errors import ClosedError
+
+            raise ClosedError("the TensorRT engine was closed (or never loaded); load the artifact again to run it")
+        arrays = {n: np.ascontiguousarray(feeds[n], dtype=self._dtypes[n]) for n in self._inputs if n in feeds}
+        absent = [n for n in self._inputs if n not in arrays]
+        if absent:
+            raise InputError(f"the engine takes input(s) {', '.join(absent)} that were not fed")
+        problem = outside_profile({n: a.shape for n, a in arrays.items()}, self._profiles)
+        if problem:
+            raise InputError(problem)
+        with self._lock:
+            for name, array in arrays.items():
+                if not self._context.set_input_shape(name, array.shape):
+                    raise InputError(f"TensorRT refused shape {list(array.shape)} for input {name}")
+                ptr = self._buffer(name, array.nbytes)
+                self._cuda.to_device(ptr, array)
+                self._context.set_tensor_address(name, ptr)
+            unresolved = self._context.infer_shapes()
+            if unresolved:
+                raise ArtifactError(f"TensorRT could not infer the shapes of {', '.join(unresolved)}; rebuild the engine")
+            out: dict[str, np.ndarray] = {}
+            for name in self._outputs:
+                shape = tuple(self._context.get_tensor_shape(name))
+                out[name] = np.empty(shape, self._dtypes[name])
+                self._context.set_tensor_address(name, self._buffer(name, out[name].nbytes))
+            if not self._context.execute_async_v3(self._cuda.stream_handle):
+                raise ArtifactError(f"TensorRT failed to execute {self.plan}; rerun with KILN_LOG=debug for its log")
+            for name, array in out.items():
+                self._cuda.to_host(array, self._buffers[name][0])
+            self._cuda.synchronize()
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._cuda is not None:
+                for ptr, _ in self._buffers.values():
+                    self._cuda.free(ptr)
+                self._buffers = {}
+                self._context = self._engine = self._runtime = None
+                self._cuda.close()
+                self._cuda = None

@@ -76,7 +76,7 @@ def norm_graph(dtype: int) -> onnx.ModelProto:
 def test_fp16_norm_pinned_to_fp32():
     model = norm_graph(TensorProto.FLOAT16)
     out, record = run_passes(model, [PinNormsFP32()])
-    assert record[0]["stats"] == {"pinned": 1, "already_fp32": 0}
+    assert record[0]["stats"] == {"pinned": 1, "already_fp32": 0, "softmax": 0, "statistics": 0, "attention_softmax": 0}
     assert op_types(out) == ["Cast", "LayerNormalization", "Cast"]
     x = (np.random.default_rng(0).standard_normal((2, 8)) * 300).astype(np.float16)  # large activations
     got = run_unoptimised(out, {"x": x})[0]
@@ -90,7 +90,7 @@ def test_fp16_norm_pinned_to_fp32():
 def test_fp32_norm_left_alone_with_reason():
     model = norm_graph(TensorProto.FLOAT)
     out, record = run_passes(model, [PinNormsFP32()])
-    assert record[0]["stats"] == {"pinned": 0, "already_fp32": 1}
+    assert record[0]["stats"] == {"pinned": 0, "already_fp32": 1, "softmax": 0, "statistics": 0, "attention_softmax": 0}
     assert "already compute in float32" in record[0]["skipped"][0]["why"]
     assert out.SerializeToString() == model.SerializeToString()
 

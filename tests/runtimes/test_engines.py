@@ -134,3 +134,85 @@ def test_graph_identity_covers_the_external_weights(artifacts):
     assert graph_sha256(type(m)(m.root, data)) != base
     data = dict(m.data, files={k: v for k, v in m.data["files"].items() if not k.startswith("tokenizer")})
     assert graph_sha256(type(m)(m.root, data)) == base  # other files do not matter
+
+
+def test_pick_runs_the_first_current_engine_and_says_why_the_others_may_not():
+    from kiln.runtimes.engines import pick
+
+    stale, foreign, good = record(tensorrt="10.7.0"), record(compute_capability="8.6"), record()
+    any_profile = EngineRecord("10.8.0", "9.0", {}, "fp16", "ab" * 32)  # loading: profiles are checked per run
+    name, refused = pick([("a.plan", stale), ("b.plan", foreign), ("c.plan", good)], any_profile)
+    assert name == "c.plan" and len(refused) == 2
+    assert "a.plan: it was built by TensorRT 10.7.0" in refused[0] and "b.plan: it was built for compute" in refused[1]
+    assert pick([("a.plan", stale)], any_profile)[0] is None
+
+
+def test_feeds_outside_the_engine_profile_are_refused_before_running():
+    from kiln.runtimes.engines import outside_profile
+
+    profiles = {"input_ids": ((1, 1), (1, 128), (8, 512))}
+    assert outside_profile({"input_ids": (8, 512), "other": (99,)}, profiles) is None
+    why = outside_profile({"input_ids": (9, 4)}, profiles)
+    assert why is not None and "[9, 4], outside the engine's profile [1, 1]..[8, 512]" in why and "--profile" in why
+
+
+def fake_engine(artifact, tmp_path, monkeypatch, **fields):
+    """A copy of ``artifact`` with an engine record (and a dummy plan) as kiln build-engine writes them, on a machine
+    pretending to have TensorRT 10.8.0 and a compute capability 9.0 GPU."""
+    import shutil
+
+    import kiln.runtimes.tensorrt as rt
+    from kiln.runtimes.artifact import read_manifest
+
+    out = tmp_path / "with-engine"
+    shutil.copytree(artifact, out)
+    monkeypatch.setattr(rt, "missing", lambda: None)
+    monkeypatch.setattr(rt, "tensorrt_version", lambda: "10.8.0")
+    monkeypatch.setattr(rt, "compute_capability", lambda: "9.0")
+    m = read_manifest(out)
+    rec = EngineRecord(**{"tensorrt": "10.8.0", "compute_capability": "9.0",
+                          "profiles": {"input_ids": ((1, 1), (1, 128), (8, 512))},
+                          "precision": m.data["precision"], "graph_sha256": rt.graph_sha256(m), **fields})
+    (out / "engines").mkdir()
+    (out / "engines" / f"{rec.key}.plan").write_bytes(b"plan")
+    (out / "engines" / f"{rec.key}.json").write_text(json.dumps(rec.to_json()))
+    return out, rec
+
+
+def test_auto_picks_tensorrt_only_for_a_current_engine(artifacts, tmp_path, monkeypatch):
+    import kiln.runtimes.tensorrt as rt
+    from kiln.runtimes import choose_backend
+    from kiln.runtimes.artifact import read_manifest
+
+    out, rec = fake_engine(artifacts["bert"], tmp_path, monkeypatch)
+    plan, why = rt.usable_engine(read_manifest(out))
+    assert plan == out / "engines" / f"{rec.key}.plan" and why == ""
+    assert choose_backend(read_manifest(out)) == ("tensorrt", {})
+    monkeypatch.setattr(rt, "tensorrt_version", lambda: "10.9.0")  # TensorRT upgraded: the engine is stale
+    chosen, skipped = choose_backend(read_manifest(out))
+    assert chosen == "onnxruntime-cpu" and "built by TensorRT 10.8.0, this is TensorRT 10.9.0" in skipped["tensorrt"]
+
+
+def test_tensorrt_backend_without_tensorrt_is_one_line(artifacts):
+    from kiln.runtimes.tensorrt import EngineUnavailableError, missing
+
+    why = missing()
+    if why is None:
+        pytest.skip("this machine has TensorRT and a GPU")
+    import re
+
+    with pytest.raises(EngineUnavailableError, match=f"backend tensorrt cannot run .*: {re.escape(why)}; pip install"):
+        kr.load(artifacts["bert"], backend="tensorrt")
+
+
+def test_gpu_check_says_what_it_could_not_run(capsys):
+    import gpu_check
+
+    from kiln.runtimes.tensorrt import missing
+
+    why = missing()
+    if why is None:
+        pytest.skip("this machine has TensorRT and a GPU: run tools/gpu_check.py itself")
+    assert gpu_check.main(["--models", "minilm", "--precisions", "fp16"]) == 2
+    out = capsys.readouterr().out
+    assert f"nothing run: {why}. Not run: minilm fp16 (engine build, TensorRT parity" in out

@@ -63,6 +63,12 @@ TOLERANCES: dict[str, Tolerance] = {
     "int4": Tolerance(abs_factor=1e-1, min_top1=0.80, min_cosine=0.5, min_mean_cosine=0.85, random_min_cosine=0.2,
                       centered_logits=True),
     "int4-codes": Tolerance(abs_factor=1e-3, min_top1=1.0),
+    # TensorRT's reduced floats against eager FP32, checked through the rounding emulation (kiln/compiler/verify/
+    # emulate.py). FP16, worst row cosine: all-MiniLM-L6-v2 0.999994, SmolLM2-135M 0.999870; the MiniLM graph stored
+    # in BF16 instead 0.99972 (fails). BF16: MiniLM 0.99960, SmolLM2 0.99700; the MiniLM graph stored in FP8 E4M3
+    # 0.927 (fails) (tests/compiler/test_reduced_precision.py)
+    "fp16": Tolerance(abs_factor=1e-2, min_top1=0.98, min_cosine=0.9998),
+    "bf16": Tolerance(abs_factor=5e-2, min_top1=0.95, min_cosine=0.99),
 }
 
 
