@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="--prompt is a user message: rendered through the artifact's chat template")
     gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
+    gen.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda | onnxruntime-tensorrt")
 
     r = sub.add_parser("run", help="run an artifact once on text or token ids")
     r.add_argument("artifact")
@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--ids", help="comma-separated token ids")
     r.add_argument("--truncate", action="store_true", help="cut text longer than the model's maximum")
     r.add_argument("--threads", type=int, default=None)
-    r.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
+    r.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda | onnxruntime-tensorrt")
     r.add_argument("--top", type=int, default=5, help="how many labels or next tokens to show")
     r.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -163,20 +163,24 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--budget-seconds", type=float, default=bo.budget_s, help="timing budget per system and shape")
     b.add_argument("--rounds", type=int, default=bo.rounds, help="alternating rounds the budget is split into")
     b.add_argument("--threads", type=int, default=bo.threads)
-    b.add_argument("--backend", default=bo.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
+    b.add_argument("--backend", default=bo.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda | onnxruntime-tensorrt")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
-    rep = sub.add_parser("report", help="accuracy and latency of an artifact against its reference checkpoint")
-    rep.add_argument("artifact")
-    rep.add_argument("--reference", required=True, help="the checkpoint directory the artifact was compiled from")
+    rep = sub.add_parser("report", help="accuracy and latency of one or more artifacts against their reference "
+                                        "checkpoint, with a verdict per artifact")
+    rep.add_argument("artifacts", nargs="+", metavar="ARTIFACT", help="artifacts compiled from --reference (the first "
+                                                                     "is the speed-up baseline)")
+    rep.add_argument("--reference", required=True, help="the checkpoint directory the artifacts were compiled from")
+    rep.add_argument("--config", help="TOML with the gate thresholds the verdicts use (default: ./kiln.toml, "
+                                      "./pyproject.toml [tool.kiln.gate])")
     rep.add_argument("--data", required=True, help="text file (one text per line) or JSONL with a text field")
     rep.add_argument("-o", "--output", required=True, help="directory for report.json, report.md, report.html")
     rep.add_argument("--max-texts", type=int, default=ro.max_texts, help=f"texts to use from --data (default {ro.max_texts})")
     rep.add_argument("--max-tokens", type=int, default=ro.max_tokens, help=f"tokens per text (default {ro.max_tokens})")
     rep.add_argument("--latency-seconds", type=float, default=ro.latency_s, help="time spent measuring latency")
     rep.add_argument("--threads", type=int, default=ro.threads)
-    rep.add_argument("--backend", default=ro.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda")
+    rep.add_argument("--backend", default=ro.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda | onnxruntime-tensorrt")
     rep.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
     exp = sub.add_parser("export", help="an artifact in another serving system's layout")
@@ -208,6 +212,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     gate = sub.add_parser("gate", help="check a report against thresholds: exit 0 pass, 1 violated, 2 unusable input")
     gate.add_argument("report", help="report.json written by kiln report")
+    gate.add_argument("--artifact", help="gate this artifact of a comparison report (default: every artifact)")
     gate.add_argument("--baseline", help="the last release's report.json, for max_latency_regression_pct")
     gate.add_argument("--config", help="TOML file with a [gate] table (default: ./kiln.toml, ./pyproject.toml)")
     for key in THRESHOLDS:
@@ -368,13 +373,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from kiln.evaluate.options import ReportOptions
+    from kiln.evaluate.render import verdict_text
     from kiln.evaluate.report import report
 
     opts = ReportOptions(args.max_texts, args.max_tokens, args.latency_seconds, args.threads, args.backend)
-    result = report(args.artifact, args.reference, args.data, args.output, opts, progress=_Progress(args.quiet))
-    lat = result["latency"]
-    print("\n".join(f"{k:>22}: {v:.6g}" if isinstance(v, float) else f"{k:>22}: {v}" for k, v in result["metrics"].items()))
-    print(f"{'latency p50/p90/p99':>22}: {lat['p50_ms']:.3f} / {lat['p90_ms']:.3f} / {lat['p99_ms']:.3f} ms")
+    result = report(args.artifacts, args.reference, args.data, args.output, opts, progress=_Progress(args.quiet),
+                    config=args.config)
+    print(verdict_text(result))
     return 0
 
 
@@ -382,20 +387,31 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from kiln.evaluate import gate
 
     current = gate.load_report(args.report)
+    chosen = gate.pick(current, args.artifact)
     baseline = gate.load_report(args.baseline, "baseline") if args.baseline else None
     thresholds = gate.load_thresholds(args.config, {k: getattr(args, k) for k in gate.THRESHOLDS})
-    checks = gate.evaluate(current, thresholds, baseline, args.report)
-    failed = [c for c in checks if not c.passed]
+    results = [(e, gate.evaluate(e, thresholds, gate.baseline_for(e, baseline) if baseline else None, args.report))
+               for e in chosen]
     if args.json:
-        print(json.dumps([{"threshold": c.name, "limit": c.threshold, "value": c.value, "passed": c.passed} for c in checks],
-                         indent=2))
+        print(json.dumps([{"artifact": e.get("artifact"), "checks": [{"threshold": c.name, "limit": c.threshold,
+                                                                       "value": c.value, "passed": c.passed} for c in checks]}
+                          for e, checks in results] if len(results) > 1 else
+                         [{"threshold": c.name, "limit": c.threshold, "value": c.value, "passed": c.passed}
+                          for c in results[0][1]], indent=2))
     else:
-        print(gate.table(checks))
-    if failed:
-        print(f"kiln gate: FAILED: {', '.join(f'{c.name} ({c.value:.6g} vs {c.threshold:.6g})' for c in failed)}",
+        for e, checks in results:
+            if len(results) > 1:
+                print(f"\n{e.get('artifact')}")
+            print(gate.table(checks))
+    failed = [(e, [c for c in checks if not c.passed]) for e, checks in results]
+    failed = [(e, bad) for e, bad in failed if bad]
+    for e, bad in failed:
+        where = f"{e.get('artifact')}: " if len(results) > 1 or args.artifact else ""
+        print(f"kiln gate: FAILED: {where}{', '.join(f'{c.name} ({c.value:.6g} vs {c.threshold:.6g})' for c in bad)}",
               file=sys.stderr)
-        return 1
-    return 0
+    if failed and len(results) > 1:
+        print(f"kiln gate: {len(failed)} of {len(results)} artifacts failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:

@@ -110,7 +110,7 @@ STAGES: dict[str, Stage] = {
     # 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py).
     "decompose-norm": Stage(lambda f, o, d: DecomposeNorm()),
     "canonicalize-attention": Stage(lambda f, o, d: CanonicalizeAttention(f.head_size), coverage="canonical"),
-    "reduce-precision": Stage(lambda f, o, d: ReducePrecision(REDUCED_FLOAT[o.precision])),
+    "reduce-precision": Stage(lambda f, o, d: ReducePrecision(REDUCED_FLOAT.get(o.precision, "float16"))),
     "pin-norms-fp32": Stage(lambda f, o, d: PinNormsFP32()),
     "check-tensorrt-ops": Stage(lambda f, o, d: CheckTensorRTOps()),
     "gemm-to-matmul": Stage(lambda f, o, d: GemmToMatMul()),

@@ -18,7 +18,8 @@ from typing import Any
 from kiln.errors import KilnError
 
 REPORT_SCHEMA = "kiln-report"
-REPORT_VERSIONS = (1,)
+REPORT_VERSIONS = (1, 2)
+"""1: one artifact, its metrics and latency at the top level; 2: a comparison, one entry per artifact."""
 
 # threshold -> (report metric, "max" or "min", label)
 THRESHOLDS: dict[str, tuple[str, str, str]] = {
@@ -74,9 +75,48 @@ def load_report(path: str | Path, role: str = "report") -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or data.get("schema_version") not in REPORT_VERSIONS:
         raise GateInputError(f"{role} {p} is not a kiln report (schema {REPORT_SCHEMA} version "
                              f"{'/'.join(map(str, REPORT_VERSIONS))}); regenerate it with kiln report")
-    if not isinstance(data.get("metrics"), dict) or not isinstance(data.get("latency"), dict):
+    if not entries(data):
         raise GateInputError(f"{role} {p} lacks its metrics or latency section; regenerate it with kiln report")
     return data
+
+
+def entries(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The measured artifacts of a report: one for version 1, one per artifact for version 2 (empty when a
+    section is missing)."""
+    found = report.get("artifacts") if report.get("schema_version", 1) >= 2 else [report]
+    if not isinstance(found, list) or not found:
+        return []
+    ok = all(isinstance(e, dict) and isinstance(e.get("metrics"), dict) and isinstance(e.get("latency"), dict)
+             for e in found)
+    return found if ok else []
+
+
+def pick(report: dict[str, Any], artifact: str | None, role: str = "report") -> list[dict[str, Any]]:
+    """The entries to gate: all of them, or the one ``artifact`` names (its path, or its directory name)."""
+    found = entries(report)
+    if artifact is None:
+        return found
+    wanted = Path(artifact)
+    hits = [e for e in found if Path(e.get("artifact", "")) == wanted.absolute()
+            or Path(e.get("artifact", "")).resolve() == wanted.resolve()]
+    if not hits:
+        hits = [e for e in found if Path(e.get("artifact", "")).name == wanted.name]
+    if len(hits) != 1:
+        names = ", ".join(str(e.get("artifact")) for e in found)
+        raise GateInputError(f"--artifact {artifact} is {'ambiguous' if hits else 'not'} in the {role} (it measured "
+                             f"{names}); give one of those paths")
+    return hits
+
+
+def baseline_for(entry: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """The baseline entry to compare ``entry``'s latency with: the one of the same artifact name, or the only one."""
+    found = entries(baseline)
+    name = Path(entry.get("artifact", "")).name
+    same = [e for e in found if Path(e.get("artifact", "")).name == name]
+    if len(same) == 1 or len(found) == 1:
+        return (same or found)[0]
+    raise GateInputError(f"the baseline measured {len(found)} artifacts and none is named {name}; pass a baseline "
+                         "report of this artifact")
 
 
 def _table(path: Path, data: dict[str, Any]) -> dict[str, Any] | None:
@@ -141,8 +181,11 @@ def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dic
 
 
 def table(checks: list[Check]) -> str:
+    from kiln.evaluate.fmt import metric
+
     lines = [f"{'metric':<40} {'threshold':>12} {'value':>12}  verdict"]
     for c in checks:
-        bound = ("<= " if c.kind == "max" else ">= ") + f"{c.threshold:.6g}"
-        lines.append(f"{c.label:<40} {bound:>12} {c.value:>12.6g}  {'pass' if c.passed else 'FAIL'}")
+        key = THRESHOLDS[c.name][0]
+        bound = ("<= " if c.kind == "max" else ">= ") + metric(key, c.threshold)
+        lines.append(f"{c.label:<40} {bound:>12} {metric(key, c.value):>12}  {'pass' if c.passed else 'FAIL'}")
     return "\n".join(lines)

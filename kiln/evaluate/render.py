@@ -1,4 +1,10 @@
-"""report.json, report.md and a self-contained report.html (plots as embedded PNG, no network)."""
+"""report.json, report.md and a self-contained report.html (plots as embedded PNG, no network, no script).
+
+The page answers "which artifact do we ship?": it leads with the verdict table (one row per artifact: size, p50
+latency and speed-up, the accuracy metrics of its kind, pass/fail against the gate thresholds naming the failing
+metric), then the plots (accuracy against speed, per-layer error, error and latency distributions), then the
+tables. report.md carries the same verdict table for CI job summaries and PR comments.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +20,90 @@ from typing import Any
 import numpy as np
 
 from kiln.compiler.prune import span
+from kiln.evaluate.fmt import metric, number, ratio
 
 LABELS = {
     "ppl_reference": "perplexity, reference", "ppl_artifact": "perplexity, artifact",
     "ppl_increase_pct": "perplexity increase (%)", "top1_agreement": "next-token top-1 agreement",
     "kl_mean": "KL divergence, mean", "kl_p99": "KL divergence, p99", "greedy_match_rate": "greedy continuation match",
     "positions": "next-token positions", "cosine_min": "embedding cosine, min", "cosine_mean": "embedding cosine, mean",
-    "cosine_p1": "embedding cosine, 1st percentile",
+    "cosine_p1": "embedding cosine, 1st percentile", "step_cosine_min": "step logits cosine, min",
+    "steps": "decoder steps per text", "texts": "texts",
 }
 
 
-def write(result: dict[str, Any], errors: dict[str, list[np.ndarray]], out: Path) -> None:
+def size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+# --- the verdict table -----------------------------------------------------------------------------------------
+KIND_COLUMNS = {
+    "decoder": [("ppl_increase_pct", "perplexity change"), ("top1_agreement", "top-1"), ("kl_mean", "KL mean"),
+                ("greedy_match_rate", "greedy match")],
+    "encoder": [("cosine_min", "cosine min"), ("cosine_mean", "cosine mean")],
+    "seq2seq": [("top1_agreement", "top-1 per step"), ("kl_mean", "KL mean"), ("step_cosine_min", "step cosine min"),
+                ("greedy_match_rate", "greedy match")],
+}
+
+
+def _limit(check: dict[str, Any]) -> str:
+    from kiln.evaluate.gate import THRESHOLDS
+
+    kind = THRESHOLDS[check["threshold"]][1]
+    sign = "<=" if kind == "max" else ">="
+    return f"{metric(check['metric'], check['value'])} (needs {sign} {metric(check['metric'], check['limit'])})"
+
+
+def verdict_cell(entry: dict[str, Any]) -> str:
+    v = entry.get("verdict") or {}
+    if v.get("passed") is None:
+        return "no thresholds"
+    if v["passed"]:
+        return "pass"
+    bad = [c for c in v["checks"] if not c["passed"]]
+    return "FAIL: " + "; ".join(f"{LABELS.get(c['metric'], c['metric'])} {_limit(c)}" for c in bad)
+
+
+def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and one row of cells per artifact."""
+    entries = result["artifacts"]
+    kind = entries[0]["model"]["kind"]
+    cols = KIND_COLUMNS.get(kind, [])
+    header = ["artifact", "precision", "size", "p50 latency", "speed-up", *[label for _, label in cols], "verdict"]
+    rows = []
+    for e in entries:
+        m = e["metrics"]
+        rows.append([e.get("name") or Path(e["artifact"]).name, str(e["model"].get("precision")),
+                     size(e["size_bytes"]), f"{e['latency']['p50_ms']:.2f} ms", ratio(e["speedup_vs_first"]),
+                     *[metric(k, m[k]) if k in m else "-" for k, _ in cols], verdict_cell(e)])
+    return header, rows
+
+
+def _about(result: dict[str, Any]) -> list[str]:
+    e0 = result["artifacts"][0]
+    lat = e0["latency"]
+    th = result.get("thresholds") or {}
+    lines = [f"reference `{result['reference']}` on `{result['data']['path']}` ({result['data']['texts']} texts, "
+             f"{result['data']['tokens']} tokens, the reference run once for all artifacts)",
+             f"latency: {lat.get('what', 'one forward pass')}, batch {lat['shape'][0]} x {lat['shape'][1]} tokens, "
+             f"{lat.get('rounds', 1)} alternating rounds; "
+             f"speed-up against `{e0.get('name')}` (the first artifact), on {e0['measured_on']['backend']}",
+             ("thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in th.items())) if th else
+             "thresholds: none found (kiln.toml [gate], pyproject.toml [tool.kiln.gate] or --config): no verdicts"]
+    return lines
+
+
+def verdict_text(result: dict[str, Any]) -> str:
+    """The verdict table for the terminal."""
+    header, rows = verdict_rows(result)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)) + "  " + header[-1]]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    return "\n".join(lines)
+
+
+# --- files -----------------------------------------------------------------------------------------------------
+def write(result: dict[str, Any], errors: list[dict[str, list[np.ndarray]]], out: Path) -> None:
     """All three files are rendered before any is written, then moved in, so a failure leaves no half report."""
     files = {"report.json": json.dumps(result, indent=2) + "\n", "report.md": markdown(result),
              "report.html": page(result, plots(result, errors))}
@@ -36,32 +115,37 @@ def write(result: dict[str, Any], errors: dict[str, list[np.ndarray]], out: Path
             os.replace(Path(tmp) / name, out / name)
 
 
-def _rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [(LABELS.get(k, k), f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in result["metrics"].items()]
-    lat = result["latency"]
+def _metric_rows(entry: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(LABELS.get(k, k), metric(k, v)) for k, v in entry["metrics"].items()]
+    lat = entry["latency"]
     rows.append((f"latency p50 / p90 / p99 (ms, batch x seq {lat['shape'][0]} x {lat['shape'][1]}, {lat['runs']} runs)",
                  f"{lat['p50_ms']:.3f} / {lat['p90_ms']:.3f} / {lat['p99_ms']:.3f}"))
     return rows
 
 
 def markdown(result: dict[str, Any]) -> str:
-    m = result["model"]
-    lines = [f"# kiln report: {m['architecture']} ({m['kind']}, {m['precision']})", "",
-             f"artifact `{result['artifact']}` vs reference `{result['reference']}` on `{result['data']['path']}` "
-             f"({result['data']['texts']} texts, {result['data']['tokens']} tokens)", "",
-             "| metric | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in _rows(result)]
-    lines += ["", "| output | max abs err | mean abs err | p99 abs err |", "|---|---|---|---|"]
-    lines += [f"| {n} | {s['max_abs']:.4g} | {s['mean_abs']:.4g} | {s['p99_abs']:.4g} |" for n, s in result["outputs"].items()]
-    if result.get("pruning"):
-        lines += ["", pruned_line(result["pruning"])]
-    if result.get("layers"):
-        kept = "heads" in result["layers"][0]
-        lines += ["", "Where the error enters (each layer's output vs the artifact tensor carrying it):", "",
-                  "| layer | relative error | artifact tensor |" + (" heads kept | FFN kept |" if kept else ""),
-                  "|---|---|---|" + ("---|---|" if kept else "")]
-        lines += [f"| {r['layer']} | {r['relative_error']:.3g} | `{r['tensor']}` |"
-                  + (f" {r.get('heads', '')} | {r.get('ffn', '')} |" if kept else "") for r in result["layers"]]
+    m = result["artifacts"][0]["model"]
+    header, rows = verdict_rows(result)
+    lines = [f"# kiln report: {m['architecture']} ({m['kind']}), {len(rows)} artifact(s)", ""]
+    lines += [f"{line}  " for line in _about(result)] + [""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    for e in result["artifacts"]:
+        lines += ["", f"## {e.get('name')} ({e['model'].get('precision')})", "", f"`{e['artifact']}`", "",
+                  "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in _metric_rows(e)]
+        lines += ["", "| output | max abs err | mean abs err | p99 abs err |", "|---|---|---|---|"]
+        lines += [f"| {n} | {number(s['max_abs'])} | {number(s['mean_abs'])} | {number(s['p99_abs'])} |"
+                  for n, s in e["outputs"].items()]
+        if e.get("pruning"):
+            lines += ["", pruned_line(e["pruning"])]
+        if e.get("layers"):
+            kept = "heads" in e["layers"][0]
+            lines += ["", "Where the error enters (each layer's output vs the artifact tensor carrying it):", "",
+                      "| layer | relative error | artifact tensor |" + (" heads kept | FFN kept |" if kept else ""),
+                      "|---|---|---|" + ("---|---|" if kept else "")]
+            lines += [f"| {r['layer']} | {number(r['relative_error'])} | `{r['tensor']}` |"
+                      + (f" {r.get('heads', '')} | {r.get('ffn', '')} |" if kept else "") for r in e["layers"]]
     return "\n".join(lines) + "\n"
 
 
@@ -79,76 +163,157 @@ def pruned_line(p: dict[str, Any]) -> str:
     return text + "."
 
 
-def _figure() -> tuple[Any, Any]:
+# --- plots -----------------------------------------------------------------------------------------------------
+def _figure(width: float = 6.5, height: float = 3.2) -> tuple[Any, Any]:
     """A figure on its own Agg canvas: pyplot (and with it the process-wide backend) is never touched."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 3))
+    fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()
 
 
 def _png(fig: Any) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def plots(result: dict[str, Any], errors: dict[str, list[np.ndarray]]) -> list[tuple[str, str]]:
-    """(title, base64 PNG) for the error histograms, KL per position (or cosine per text), latency."""
-    out = []
-    for name, parts in errors.items():
-        err = np.concatenate(parts)
+def _names(result: dict[str, Any]) -> list[str]:
+    return [e.get("name") or Path(e["artifact"]).name for e in result["artifacts"]]
+
+
+def scatter(result: dict[str, Any]) -> tuple[str, str]:
+    """Accuracy against speed, one point per artifact (red: fails its thresholds)."""
+    entries = result["artifacts"]
+    kind = entries[0]["model"]["kind"]
+    decoder = kind == "decoder"
+    key, label = {"decoder": ("ppl_increase_pct", "perplexity change (%)"),
+                  "seq2seq": ("top1_agreement", "step top-1 agreement")}.get(kind, ("cosine_min", "embedding cosine, min"))
+    fig, ax = _figure()
+    for name, e in zip(_names(result), entries):
+        y = e["metrics"].get(key)
+        if y is None:
+            continue
+        passed = (e.get("verdict") or {}).get("passed")
+        color = "tab:red" if passed is False else "tab:green" if passed else "tab:blue"
+        ax.scatter([e["speedup_vs_first"]], [y], color=color, s=40, zorder=3)
+        ax.annotate(name, (e["speedup_vs_first"], y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    if decoder and any(e["metrics"].get(key, 0) > 0 for e in entries):
+        ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_xlabel(f"speed-up vs {_names(result)[0]} (p50)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    return "accuracy against speed (green: passes, red: fails, blue: no thresholds)", _png(fig)
+
+
+def plots(result: dict[str, Any], errors: list[dict[str, list[np.ndarray]]]) -> list[tuple[str, str]]:
+    """(title, base64 PNG): the scatter, per-layer error, error distributions, latency, KL per position."""
+    out = [scatter(result)]
+    names = _names(result)
+    entries = result["artifacts"]
+    if any(e.get("layers") for e in entries):
         fig, ax = _figure()
-        ax.hist(np.log10(np.maximum(err, 1e-12)), bins=60)
-        ax.set_xlabel("log10 |artifact - reference|")
+        for name, e in zip(names, entries):
+            layers = e.get("layers") or []
+            if layers:
+                ax.plot([r["layer"] for r in layers], [max(r["relative_error"], 1e-12) for r in layers], marker="o",
+                        label=name)
+        ax.set_yscale("log")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("layer")
+        ax.set_ylabel("relative error of the layer's output")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        out.append(("where the error enters: per-layer error, one line per artifact", _png(fig)))
+    outputs = sorted({n for errs in errors for n in errs})
+    for output in outputs:
+        fig, ax = _figure()
+        for name, errs in zip(names, errors):
+            if output in errs:
+                err = np.concatenate(errs[output])
+                ax.hist(np.log10(np.maximum(err, 1e-12)), bins=60, histtype="step", label=name)
+        ax.set_xlabel(f"log10 |artifact - reference| of {output}")
         ax.set_ylabel("elements")
-        out.append((f"absolute error of {name}", _png(fig)))
+        ax.legend(fontsize=8)
+        out.append((f"absolute error of {output}", _png(fig)))
+    fig, ax = _figure(height=max(1.6, 0.6 * len(names) + 0.8))
+    for i, e in enumerate(entries):  # drawn by hand: Axes.boxplot imports pyplot, which a library must not
+        p5, p25, p50, p75, p95 = np.percentile(e["latency"]["samples_ms"], [5, 25, 50, 75, 95])
+        ax.hlines(i, p5, p95, color="0.4")
+        ax.barh(i, p75 - p25, left=p25, height=0.5, color="tab:blue", alpha=0.35, edgecolor="tab:blue")
+        ax.vlines(p50, i - 0.25, i + 0.25, color="tab:orange", linewidth=2)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per run (orange p50, box p25-p75, line p5-p95)")
+    out.append(("latency distributions", _png(fig)))
     fig, ax = _figure()
-    if "kl_per_position" in result:
-        ax.plot(result["kl_per_position"])
-        ax.set_xlabel("position")
-        ax.set_ylabel("mean KL(reference || artifact)")
-        title = "KL divergence per position"
-    else:
-        ax.plot(sorted(result["cosine_per_text"]), marker=".")
-        ax.set_xlabel("text (sorted)")
-        ax.set_ylabel("embedding cosine")
-        title = "embedding cosine per text"
-    out.append((title, _png(fig)))
-    fig, ax = _figure()
-    ax.hist(result["latency"]["samples_ms"], bins=40)
-    ax.set_xlabel("ms per run")
-    ax.set_ylabel("runs")
-    out.append(("latency distribution", _png(fig)))
+    for name, e in zip(names, entries):
+        if "kl_per_position" in e:
+            ax.plot(e["kl_per_position"], label=name)
+        elif "cosine_per_text" in e:
+            ax.plot(sorted(e["cosine_per_text"]), marker=".", label=name)
+    decoder = "kl_per_position" in entries[0]
+    seq2seq = entries[0]["model"]["kind"] == "seq2seq"
+    ax.set_xlabel("decoder step" if seq2seq else "position" if decoder else "text (sorted)")
+    ax.set_ylabel("mean KL(reference || artifact)" if decoder else "embedding cosine")
+    ax.legend(fontsize=8)
+    out.append(("KL divergence per decoder step" if seq2seq else "KL divergence per position" if decoder
+                else "embedding cosine per text", _png(fig)))
     return out
+
+
+# --- the page --------------------------------------------------------------------------------------------------
+def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
+    esc = html.escape
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(
+        f"<td class=\"{'fail' if c.startswith('FAIL') else 'pass' if c == 'pass' else ''}\">{esc(c)}</td>" for c in r)
+        + "</tr>" for r in rows)
+    return f"<table class=\"{cls}\"><tr>{head}</tr>{body}</table>"
+
+
+def _details(e: dict[str, Any]) -> str:
+    esc = html.escape
+    parts = [f"<h3>{esc(str(e.get('name')))} ({esc(str(e['model'].get('precision')))})</h3>",
+             f"<p><code>{esc(e['artifact'])}</code></p>",
+             _table(["metric", "value"], [list(r) for r in _metric_rows(e)]),
+             _table(["output", "max abs err", "mean abs err", "p99 abs err"],
+                    [[n, number(s["max_abs"]), number(s["mean_abs"]), number(s["p99_abs"])]
+                     for n, s in e["outputs"].items()])]
+    if e.get("pruning"):
+        parts.append(f"<p>{esc(pruned_line(e['pruning']))}</p>")
+    if e.get("layers"):
+        kept = "heads" in e["layers"][0]
+        parts.append("<p>Where the error enters: each layer's output against the artifact tensor carrying it.</p>")
+        parts.append(_table(["layer", "relative error", "artifact tensor"] + (["heads kept", "FFN kept"] if kept else []),
+                            [[str(r["layer"]), number(r["relative_error"]), r["tensor"]]
+                             + ([str(r.get("heads", "")), str(r.get("ffn", ""))] if kept else []) for r in e["layers"]]))
+    return "".join(parts)
 
 
 def page(result: dict[str, Any], images: list[tuple[str, str]]) -> str:
     esc = html.escape
-    m = result["model"]
-    rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in _rows(result))
-    outs = "".join(f"<tr><td>{esc(n)}</td><td>{s['max_abs']:.4g}</td><td>{s['mean_abs']:.4g}</td><td>{s['p99_abs']:.4g}</td></tr>"
-                   for n, s in result["outputs"].items())
-    kept = bool(result.get("layers")) and "heads" in result["layers"][0]
-    layers = "".join(f"<tr><td>{r['layer']}</td><td>{r['relative_error']:.3g}</td><td><code>{esc(r['tensor'])}</code></td>"
-                     + (f"<td>{r.get('heads', '')}</td><td>{r.get('ffn', '')}</td>" if kept else "") + "</tr>"
-                     for r in result.get("layers", []))
-    pruned = f"<p>{esc(pruned_line(result['pruning']))}</p>" if result.get("pruning") else ""
-    figs = "".join(f"<figure><img alt=\"{esc(t)}\" src=\"data:image/png;base64,{b}\"><figcaption>{esc(t)}</figcaption></figure>"
-                   for t, b in images)
+    m = result["artifacts"][0]["model"]
+    header, rows = verdict_rows(result)
+    about = "".join(f"<p class=\"about\">{esc(line).replace('`', '')}</p>" for line in _about(result))
+    figs = "".join(f"<figure><img alt=\"{esc(t)}\" src=\"data:image/png;base64,{b}\"><figcaption>{esc(t)}</figcaption>"
+                   "</figure>" for t, b in images)
+    details = "".join(_details(e) for e in result["artifacts"])
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kiln report: {esc(m['architecture'] or '')}</title>
-<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:.2em .6em;text-align:left}}figure{{display:inline-block;margin:1em}}</style></head>
-<body><h1>kiln report: {esc(str(m['architecture']))} ({esc(str(m['kind']))}, {esc(str(m['precision']))})</h1>
-<p>artifact <code>{esc(result['artifact'])}</code> vs reference <code>{esc(result['reference'])}</code> on
-<code>{esc(result['data']['path'])}</code> ({result['data']['texts']} texts, {result['data']['tokens']} tokens)</p>
-<table><tr><th>metric</th><th>value</th></tr>{rows}</table>
-<h2>Outputs</h2><table><tr><th>output</th><th>max abs err</th><th>mean abs err</th><th>p99 abs err</th></tr>{outs}</table>
-<h2>Where the error enters</h2><p>Each layer's output against the artifact tensor carrying it (relative error).</p>{pruned}
-<table><tr><th>layer</th><th>relative error</th><th>artifact tensor</th>{"<th>heads kept</th><th>FFN kept</th>" if kept else ""}</tr>{layers}</table>
+<html lang="en"><head><meta charset="utf-8"><title>kiln report: {esc(str(m['architecture']))}</title>
+<style>body{{font-family:sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}}
+table{{border-collapse:collapse;margin:.5em 0 1em}}td,th{{border:1px solid #ccc;padding:.25em .6em;text-align:left}}
+th{{background:#f3f3f3}}table.verdict td{{white-space:nowrap}}table.verdict td.fail{{white-space:normal;max-width:28em}}td.pass{{color:#176b2c;font-weight:bold}}td.fail{{color:#a31515;font-weight:bold}}
+table.verdict td,table.verdict th{{font-size:1.05em}}p.about{{margin:.2em 0;color:#555}}
+figure{{display:inline-block;margin:.5em 1em .5em 0;vertical-align:top}}figcaption{{font-size:.9em;color:#555}}
+img{{max-width:100%}}</style></head>
+<body><h1>kiln report: {esc(str(m['architecture']))} ({esc(str(m['kind']))}), {len(rows)} artifact(s)</h1>
+<h2>Verdict</h2>{_table(header, rows, "verdict")}{about}
 <h2>Plots</h2>{figs}
+<h2>Details</h2>{details}
 </body></html>
 """

@@ -36,73 +36,207 @@ from kiln.runtimes.base import prepare_feeds
 log = logging.getLogger(__name__)
 
 SCHEMA = "kiln-report"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: one entry per artifact under ``artifacts`` (a comparison), the thresholds and each entry's verdict; 1 (one
+artifact, its fields at the top level) is still read by ``kiln gate``."""
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 16
+LATENCY_ROUNDS = 5
 
 Progress = Callable[[str], None]
 
 
-def report(artifact: str | Path, reference: str | Path, data: str | Path, out: str | Path,
-           options: ReportOptions | None = None, progress: Progress | None = None) -> dict[str, Any]:
-    """Measure ``artifact`` against ``reference`` on ``data`` and write report.json/.md/.html into ``out``."""
+class Reference:
+    """The reference checkpoint, run once per text whatever the number of artifacts: eager outputs, hidden states
+    and greedy continuations are computed on first use and kept."""
+
+    def __init__(self, ckpt: Any) -> None:
+        self.ckpt = ckpt
+        self.eager = EagerRunner(ckpt)
+        self._outputs: dict[tuple[int, ...], dict[str, np.ndarray]] = {}
+        self._hidden: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self._greedy: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
+        self._logits: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
+
+    def outputs(self, ids: list[int], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        key = tuple(ids)
+        if key not in self._outputs:
+            self._outputs[key] = self.eager.run({k: v for k, v in feeds.items() if k in self.eager.input_names})
+        return self._outputs[key]
+
+    def hidden(self, ids: list[int]) -> list[np.ndarray]:
+        import torch
+
+        key = tuple(ids)
+        if key not in self._hidden:
+            with torch.inference_mode():
+                hs = self.ckpt.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+            self._hidden[key] = [h.float().numpy().reshape(-1) for h in hs[1:]]
+        return self._hidden[key]
+
+    def seq2seq(self, source: list[int], steps: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+        """Hugging Face greedy generation from one source text: the tokens (decoder start first) and each step's
+        logits (steps, vocab), no end-of-sequence stop so every artifact is compared over the same steps."""
+        import torch
+
+        key = (tuple(source), -steps)
+        if key not in self._greedy:
+            with torch.inference_mode():
+                out = self.ckpt.model.generate(input_ids=torch.tensor([source]), attention_mask=torch.ones(1, len(source),
+                                               dtype=torch.long), max_new_tokens=steps, do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
+                                               forced_bos_token_id=None, pad_token_id=pad, output_logits=True,
+                                               return_dict_in_generate=True)
+            self._greedy[key] = out.sequences[0].numpy()
+            self._logits[key] = np.stack([x[0].float().numpy() for x in out.logits])
+        return self._greedy[key], self._logits[key]
+
+    def greedy(self, prompt: list[int], new: int, pad: int) -> np.ndarray:
+        import torch
+
+        key = (tuple(prompt), new)
+        if key not in self._greedy:
+            with torch.inference_mode():
+                out = self.ckpt.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                               max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            self._greedy[key] = out[0][len(prompt):].numpy()
+        return self._greedy[key]
+
+
+def report(artifacts: str | Path | list[str | Path], reference: str | Path, data: str | Path, out: str | Path,
+           options: ReportOptions | None = None, progress: Progress | None = None,
+           config: str | Path | None = None) -> dict[str, Any]:
+    """Measure each of ``artifacts`` (compiled from ``reference``) on ``data``, the reference run once and latency
+    timed in alternating rounds; judge each against the gate thresholds (``config``, ./kiln.toml, ./pyproject.toml)
+    and write report.json/.md/.html into ``out``."""
     o = options or ReportOptions()
+    paths = [Path(a) for a in ([artifacts] if isinstance(artifacts, (str, Path)) else artifacts)]
+    if not paths:
+        raise UsageError("kiln report needs at least one artifact")
+    if len({p.resolve() for p in paths}) != len(paths):
+        raise UsageError("the same artifact is given twice; list each artifact once")
     if o.max_texts < 1 or o.max_tokens < 2:
         raise UsageError("--max-texts must be at least 1 and --max-tokens at least 2")
     say = progress or (lambda msg: log.info(msg))
-    from kiln.evaluate import render
+    from kiln.evaluate import gate, render
 
-    model = kr.load(artifact, backend=o.backend, threads=o.threads)
+    thresholds = _thresholds(config)
     ckpt = load_checkpoint(reference)
-    kind = model.manifest.data["model"]["kind"]
-    if kind not in ("encoder", "decoder"):
-        raise UsageError(f"kiln report measures encoder and decoder artifacts; {artifact} is {kind}")
-    if ckpt.kind != kind:
-        raise UsageError(f"--reference {reference} is a {ckpt.kind} checkpoint but {artifact} is a {kind} artifact; "
-                         "give the checkpoint the artifact was compiled from")
-    texts = read_texts(str(data), role="--data")[:o.max_texts]
-    limit = min(o.max_tokens, model.max_sequence_length)
-    rows = [r for r in (model.text_encoder.encode_ids(t)[:limit] for t in texts) if len(r) >= 2]
-    if not rows:
-        raise UsageError(f"--data {data} has no text of two or more tokens for {artifact}'s tokenizer; give real text")
-    say(f"report: {len(rows)} texts, {sum(map(len, rows))} tokens from {data}")
-    eager = EagerRunner(ckpt)
+    models = []
+    try:
+        for p in paths:
+            models.append(kr.load(p, backend=o.backend, threads=o.threads))
+            _check_pair(models[-1], p, ckpt, reference, models[0], paths[0])
+        texts = read_texts(str(data), role="--data")[:o.max_texts]
+        limit = min(o.max_tokens, min(m.max_sequence_length for m in models))
+        rows = [r for r in (models[0].text_encoder.encode_ids(t)[:limit] for t in texts) if len(r) >= 2]
+        if not rows:
+            raise UsageError(f"--data {data} has no text of two or more tokens for {paths[0]}'s tokenizer; give real text")
+        say(f"report: {len(paths)} artifact(s), {len(rows)} texts, {sum(map(len, rows))} tokens from {data}")
+        ref = Reference(ckpt)
+        entries = []
+        errors: list[dict[str, list[np.ndarray]]] = []
+        with torch_threads(o.threads):
+            for p, model in zip(paths, models):
+                say(f"report: {p}")
+                errs: dict[str, list[np.ndarray]] = {}
+                entries.append(measure(p, model, ref, rows, errs, o.threads))
+                errors.append(errs)
+        say(f"report: latency, {LATENCY_ROUNDS} alternating rounds")
+        for entry, lat in zip(entries, latency_rounds(models, rows, o.latency_s)):
+            entry["latency"] = lat
+    finally:
+        for m in models:
+            m.close()
+    base = entries[0]["latency"]["p50_ms"]
+    for entry in entries:
+        entry["speedup_vs_first"] = base / entry["latency"]["p50_ms"]
+        entry["verdict"] = verdict(entry, thresholds)
     result: dict[str, Any] = {
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-        "artifact": str(Path(artifact).absolute()), "reference": str(Path(reference).absolute()),
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "reference": str(Path(reference).absolute()),
         "data": {"path": str(Path(data).absolute()), "texts": len(rows), "tokens": int(sum(map(len, rows)))},
-        "model": {k: model.manifest.data["model"].get(k) for k in ("architecture", "kind", "task")}
-        | {"precision": model.manifest.data.get("precision"), "target": model.manifest.data.get("target")},
-        "measured_on": {"backend": model.backend["name"], "device": "cuda" if "cuda" in model.backend["name"] else "cpu",
-                        "threads": o.threads, "requested": o.backend, "skipped": model.backend["skipped"]},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "thresholds": thresholds,
+        "speedup_baseline": entries[0]["artifact"], "artifacts": entries,
     }
-    errors: dict[str, list[np.ndarray]] = {}
-    with torch_threads(o.threads):
-        if kind == "decoder":
-            result |= decoder_metrics(model, eager, rows, errors)
-            rate = greedy_match_rate(model, ckpt, rows)
-            if rate is not None:  # absent when the cache has no room for a continuation
-                result["metrics"]["greedy_match_rate"] = rate
-        else:
-            result |= encoder_metrics(model, eager, rows, errors)
-        result["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
-        say("report: per-layer error")
-        result["layers"] = layer_errors(Path(artifact), model, ckpt, rows[:8], o.threads)
-    pruning = model.manifest.data.get("pruning")
-    if pruning:  # against the original checkpoint, each layer's error is what pruning (and precision) cost there
-        result["pruning"] = prune.summary(pruning)  # the manifest's record; its cost is what compile measured
-        if "cost" in result["pruning"]:
-            result["pruning"]["compile_cost"] = result["pruning"].pop("cost")
-        kept = {r["layer"] + 1: r for r in pruning.get("layers", [])}  # hidden_states[i] is layer i-1's output
-        for r in result["layers"]:
-            if r["layer"] in kept:
-                r |= {"heads": kept[r["layer"]]["heads"], "ffn": kept[r["layer"]]["ffn"]}
-    say("report: latency distribution")
-    result["latency"] = latency_distribution(model, rows, o.latency_s)
+    assert gate.entries(result)  # what kiln gate will read back
     render.write(result, errors, Path(out))
     say(f"report: wrote {Path(out) / 'report.json'}, report.md, report.html")
     return result
+
+
+def _thresholds(config: str | Path | None) -> dict[str, float]:
+    """The gate's thresholds where there are any (no thresholds: verdicts are absent, never a pass)."""
+    from kiln.evaluate import gate
+
+    try:
+        return gate.load_thresholds(config, {})
+    except gate.GateInputError as e:
+        if config is None and "no thresholds" in str(e):
+            return {}
+        raise
+
+
+def _check_pair(model: kr.Model, path: Path, ckpt: Any, reference: str | Path, first: kr.Model, first_path: Path) -> None:
+    kind = model.manifest.data["model"]["kind"]
+    if kind != first.manifest.data["model"]["kind"]:
+        raise UsageError(f"{path} is a {kind} artifact but {first_path} is not; compare artifacts of one reference")
+    if ckpt.kind != kind:
+        raise UsageError(f"--reference {reference} is a {ckpt.kind} checkpoint but {path} is a {kind} artifact; "
+                         "give the checkpoint the artifact was compiled from")
+    a, b = (m.manifest.data["model"].get("source", {}).get("sha256") for m in (first, model))
+    if a and b and a != b:
+        raise UsageError(f"{path} and {first_path} were compiled from different checkpoints (source sha256 differs); "
+                         "compare artifacts of one reference")
+
+
+def measure(path: Path, model: kr.Model, ref: Reference, rows: list[list[int]], errors: dict[str, list[np.ndarray]],
+            threads: int | None) -> dict[str, Any]:
+    """One artifact's entry: accuracy against the reference, outputs' errors, per-layer error (latency added later)."""
+    kind = model.manifest.data["model"]["kind"]
+    entry: dict[str, Any] = {
+        "artifact": str(path.absolute()), "name": path.name,
+        "model": {k: model.manifest.data["model"].get(k) for k in ("architecture", "kind", "task")}
+        | {"precision": model.manifest.data.get("precision"), "target": model.manifest.data.get("target")},
+        "size_bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and "engines" not in f.parts),
+        "measured_on": {"backend": model.backend["name"], "device": "cuda" if "cuda" in model.backend["name"] else "cpu",
+                        "threads": threads, "requested": model.backend["requested"], "skipped": model.backend["skipped"]},
+    }
+    if kind == "seq2seq":
+        entry |= seq2seq_metrics(model, ref, rows, errors)
+        entry["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
+        entry["layers"] = []  # two graphs and a cache: no single tensor per layer to match (yet)
+        return entry
+    if kind == "decoder":
+        entry |= decoder_metrics(model, ref, rows, errors)
+        rate = greedy_match_rate(model, ref, rows)
+        if rate is not None:  # absent when the cache has no room for a continuation
+            entry["metrics"]["greedy_match_rate"] = rate
+    else:
+        entry |= encoder_metrics(model, ref, rows, errors)
+    entry["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
+    entry["layers"] = layer_errors(path, model, ref, rows[:8], threads)
+    pruning = model.manifest.data.get("pruning")
+    if pruning:  # against the original checkpoint, each layer's error is what pruning (and precision) cost there
+        entry["pruning"] = prune.summary(pruning)  # the manifest's record; its cost is what compile measured
+        if "cost" in entry["pruning"]:
+            entry["pruning"]["compile_cost"] = entry["pruning"].pop("cost")
+        kept = {r["layer"] + 1: r for r in pruning.get("layers", [])}  # hidden_states[i] is layer i-1's output
+        for r in entry["layers"]:
+            if r["layer"] in kept:
+                r |= {"heads": kept[r["layer"]]["heads"], "ffn": kept[r["layer"]]["ffn"]}
+    return entry
+
+
+def verdict(entry: dict[str, Any], thresholds: dict[str, float]) -> dict[str, Any]:
+    """Pass/fail of one entry against the thresholds that apply to its kind (None: no thresholds apply)."""
+    from kiln.evaluate import gate
+
+    applicable = {k: v for k, v in thresholds.items()
+                  if gate.THRESHOLDS[k][0] in entry["metrics"] and k != "max_latency_regression_pct"}
+    checks = gate.evaluate(entry, applicable) if applicable else []
+    failing = [c.name for c in checks if not c.passed]
+    return {"passed": (not failing) if checks else None, "failing": failing,
+            "checks": [{"threshold": c.name, "metric": gate.THRESHOLDS[c.name][0], "limit": c.threshold,
+                        "value": c.value, "passed": c.passed} for c in checks]}
 
 
 def _feeds(ids: list[int]) -> dict[str, np.ndarray]:
@@ -110,13 +244,13 @@ def _feeds(ids: list[int]) -> dict[str, np.ndarray]:
     return {"input_ids": arr, "attention_mask": np.ones_like(arr)}
 
 
-def decoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
+def decoder_metrics(model: kr.Model, reference: Reference, rows: list[list[int]],
                     errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
     terms: list[dict[str, np.ndarray]] = []
     for ids in rows:
         feeds = _feeds(ids)
         got = model.run(feeds)["logits"][0].astype(np.float64)
-        ref = eager.run({k: v for k, v in feeds.items() if k in eager.input_names})["logits"][0].astype(np.float64)
+        ref = reference.outputs(ids, feeds)["logits"][0].astype(np.float64)
         errors.setdefault("logits", []).append(np.abs(got - ref).ravel())
         terms.append(metrics.next_token_terms(ref[:-1], got[:-1], np.asarray(ids[1:])))
     summary = metrics.next_token_summary(metrics.concat_terms(terms))
@@ -125,11 +259,9 @@ def decoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
     return {"metrics": summary, "kl_per_position": per_position}
 
 
-def greedy_match_rate(model: kr.Model, ckpt: Any, rows: list[list[int]]) -> float | None:
+def greedy_match_rate(model: kr.Model, reference: Reference, rows: list[list[int]]) -> float | None:
     """Mean fraction of GREEDY_TOKENS greedy tokens that match Hugging Face ``generate`` before the first
     difference; None when the KV cache has no room for a single new token after the prompts."""
-    import torch
-
     prompts = [r[:16] for r in rows[:GREEDY_PROMPTS]]
     capacity = model.manifest.data.get("kv_cache", {}).get("capacity", model.max_sequence_length)
     new = max(0, min(GREEDY_TOKENS, capacity - max(map(len, prompts))))
@@ -139,22 +271,53 @@ def greedy_match_rate(model: kr.Model, ckpt: Any, rows: list[list[int]]) -> floa
     rates = []
     for p in prompts:
         got = model.generate([p], max_new_tokens=new, stop_token_ids=[])[0][len(p):]
-        with torch.inference_mode():
-            ref = ckpt.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                      max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)[0][len(p):]
-        ref = ref.numpy()
+        ref = reference.greedy(p, new, pad)
         same = np.cumprod(got[:len(ref)] == ref[:len(got)])
         rates.append(float(same.sum()) / new)
     return float(np.mean(rates))
 
 
-def encoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
+def seq2seq_metrics(model: kr.Model, reference: Reference, rows: list[list[int]],
+                    errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
+    """Encoder-decoders, per source text: the decoder fed Hugging Face's greedy tokens step by step (teacher forced)
+    against its step logits (top-1 agreement, KL, row cosine), then the artifact's own greedy tokens against
+    Hugging Face ``generate`` (the fraction matching before the first difference)."""
+    pad = int(model.manifest.data.get("generation", {}).get("pad_token_id", 0))
+    steps = GREEDY_TOKENS
+    agree, kls, cosines, matches = [], [], [], []
+    kl_steps: list[list[float]] = [[] for _ in range(steps)]
+    for src in rows[:GREEDY_PROMPTS]:
+        ids, mask = np.asarray([src], np.int64), np.ones((1, len(src)), np.int64)
+        tokens, ref_logits = reference.seq2seq(src, steps, pad)
+        runner = model.seq2seq_runner(ids, mask)
+        try:
+            got = np.stack([runner.step(tokens[None, t:t + 1])[0, -1] for t in range(steps)]).astype(np.float64)
+        finally:
+            runner.close()
+        r = ref_logits.astype(np.float64)
+        errors.setdefault("logits", []).append(np.abs(got - r).ravel())
+        terms = metrics.next_token_terms(r, got, tokens[1:])
+        agree += list(terms["agree"])
+        kl = terms["kl"]
+        kls += list(kl)
+        for t, v in enumerate(kl):
+            kl_steps[t].append(float(v))
+        cosines.append(float(metrics.row_cosines(r, got).min()))
+        own = model.generate(ids, mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad)[0, 1:]
+        matches.append(float(np.cumprod(own[:steps] == tokens[1:1 + len(own)]).sum()) / steps)
+    return {"metrics": {"top1_agreement": float(np.mean(agree)), "kl_mean": float(np.mean(kls)),
+                        "kl_p99": float(np.percentile(kls, 99)), "step_cosine_min": float(min(cosines)),
+                        "greedy_match_rate": float(np.mean(matches)), "steps": steps, "texts": len(matches)},
+            "kl_per_position": [float(np.mean(v)) for v in kl_steps]}
+
+
+def encoder_metrics(model: kr.Model, reference: Reference, rows: list[list[int]],
                     errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
     cos = []
     for ids in rows:
-        feeds = make_feeds(*[np.asarray(x) for x in _feeds(ids).values()], eager.input_names)
+        feeds = make_feeds(*[np.asarray(x) for x in _feeds(ids).values()], reference.eager.input_names)
         got = model.run({k: v for k, v in feeds.items() if k in model.input_names})
-        ref = eager.run(feeds)
+        ref = reference.outputs(ids, feeds)
         for name in ref:
             if name in got:
                 errors.setdefault(name, []).append(np.abs(got[name].astype(np.float64) - ref[name]).ravel())
@@ -167,14 +330,13 @@ def encoder_metrics(model: kr.Model, eager: EagerRunner, rows: list[list[int]],
             "cosine_per_text": cos}
 
 
-def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]],
+def layer_errors(root: Path, model: kr.Model, reference: Reference, rows: list[list[int]],
                  threads: int | None = None) -> list[dict[str, Any]]:
     """Where the error enters: each layer's output (Hugging Face ``hidden_states``) against the artifact
     tensor that carries it. The graph's sums and norms are exposed as outputs and each hidden state is
     matched to the closest one by value (names do not survive export and fusion); the relative error
     of that tensor is the layer's, averaged over the texts."""
     import onnx
-    import torch
 
     graph = onnx.load(str(root / model.manifest.data["graphs"]["model"]))
     names = [o for n in graph.graph.node if n.op_type in ("Add", "RMSNormalization", "SimplifiedLayerNormalization",
@@ -188,10 +350,7 @@ def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]],
         # the runtime's own filling of optional inputs (token types, an empty KV cache)
         full = prepare_feeds(model.manifest.inputs, feeds, model.max_sequence_length)
         got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in full.items() if k in wanted})))
-        with torch.inference_mode():
-            hidden = ckpt.model(input_ids=torch.from_numpy(feeds["input_ids"]), output_hidden_states=True).hidden_states
-        for layer, h in enumerate(hidden[1:], 1):
-            ref = h.float().numpy().reshape(-1)
+        for layer, ref in enumerate(reference.hidden(ids), 1):
             best = min(((n, float(np.linalg.norm(v.reshape(-1) - ref) / max(np.linalg.norm(ref), 1e-30)))
                         for n, v in got.items() if n in names and v.size == ref.size), key=lambda x: x[1], default=None)
             if best is not None:
@@ -200,18 +359,39 @@ def layer_errors(root: Path, model: kr.Model, ckpt: Any, rows: list[list[int]],
             for layer, found in sorted(per_layer.items())]
 
 
-def latency_distribution(model: kr.Model, rows: list[list[int]], budget_s: float) -> dict[str, Any]:
-    """Artifact latency at batch 1 on the longest text: warm-up, then as many runs as fit the budget (at least 10)."""
+def latency_rounds(models: list[kr.Model], rows: list[list[int]], budget_s: float) -> list[dict[str, Any]]:
+    """Each artifact's latency at batch 1 on the longest text, timed in LATENCY_ROUNDS alternating rounds (as
+    ``kiln bench`` does) so machine drift hits every artifact alike: warm-up, then each round gives every artifact
+    an equal share of ``budget_s`` (at least 3 runs)."""
     feeds = _feeds(max(rows, key=len))
-    for _ in range(3):
-        model.run(feeds)
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < 10 or (time.perf_counter() - start < budget_s and len(samples) < 2000):
-        t = time.perf_counter()
-        model.run(feeds)
-        samples.append((time.perf_counter() - t) * 1e3)
-    s = np.asarray(samples)
-    return {"shape": list(feeds["input_ids"].shape), "runs": len(samples), "p50_ms": float(np.percentile(s, 50)),
-            "p90_ms": float(np.percentile(s, 90)), "p99_ms": float(np.percentile(s, 99)), "mean_ms": float(s.mean()),
-            "samples_ms": [round(x, 4) for x in samples]}
+    seq2seq = "decoder" in models[0].runtimes
+
+    def once(m: kr.Model) -> None:
+        if seq2seq:  # what a request costs: the encoder and GREEDY_TOKENS cached decoder steps
+            m.generate(feeds["input_ids"], feeds["attention_mask"], max_new_tokens=GREEDY_TOKENS, stop_token_ids=[])
+        else:
+            m.run(feeds)
+
+    for m in models:
+        for _ in range(3):
+            once(m)
+    samples: list[list[float]] = [[] for _ in models]
+    share = budget_s / (LATENCY_ROUNDS * len(models))
+    for _ in range(LATENCY_ROUNDS):
+        for m, got in zip(models, samples):
+            start = time.perf_counter()
+            runs = 0
+            while runs < 3 or (time.perf_counter() - start < share and runs < 400):
+                t = time.perf_counter()
+                once(m)
+                got.append((time.perf_counter() - t) * 1e3)
+                runs += 1
+    out = []
+    for got in samples:
+        s = np.asarray(got)
+        out.append({"shape": list(feeds["input_ids"].shape), "runs": len(got), "rounds": LATENCY_ROUNDS,
+                    "what": f"encoder + {GREEDY_TOKENS} greedy decoder steps" if seq2seq else "one forward pass",
+                    "p50_ms": float(np.percentile(s, 50)), "p90_ms": float(np.percentile(s, 90)),
+                    "p99_ms": float(np.percentile(s, 99)), "mean_ms": float(s.mean()),
+                    "samples_ms": [round(x, 4) for x in got]})
+    return out

@@ -15,10 +15,12 @@ from kiln.runtimes.artifact import Manifest, TensorSpec, read_manifest
 from kiln.runtimes.base import Runtime
 from kiln.runtimes.model import Model
 
-BACKENDS = ("auto", "tensorrt", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda")
+BACKENDS = ("auto", "tensorrt", "onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda", "onnxruntime-tensorrt")
 """``auto``: the first that can run here, in the order TensorRT (an engine for this GPU), ONNX Runtime CUDA, ONNX
 Runtime CPU; the choice and the reasons for skipping the others are logged and kept in ``Model.backend``.
-``onnxruntime`` is ``onnxruntime-cpu``."""
+``onnxruntime`` is ``onnxruntime-cpu``. ``onnxruntime-tensorrt`` (asked for by name only: its first load builds
+engines, which takes minutes) is ONNX Runtime's TensorRT execution provider, its engine and timing caches kept in the
+artifact's ``engines/onnxruntime-trt``, falling back to CUDA and CPU for what TensorRT does not take."""
 
 log = logging.getLogger("kiln.runtimes")
 
@@ -27,11 +29,17 @@ __all__ = ["load", "open_manifest", "Model", "Manifest", "Runtime", "TensorSpec"
 
 def make_runtime(backend: str, threads: int | None = None, optimization: str = "all",
                  session_config: dict[str, str] | None = None) -> Runtime:
-    if backend in ("onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda"):
+    if backend in ("onnxruntime", "onnxruntime-cpu", "onnxruntime-cuda", "onnxruntime-tensorrt"):
         from kiln.runtimes.onnxruntime import OnnxRuntime
 
-        providers = ["CPUExecutionProvider"]
-        if backend == "onnxruntime-cuda":
+        providers: list = ["CPUExecutionProvider"]
+        if backend == "onnxruntime-tensorrt":
+            why = provider_missing("TensorrtExecutionProvider")
+            if why:
+                raise ArtifactError(f"backend onnxruntime-tensorrt: {why}; pip install 'kiln[gpu]' (onnxruntime-gpu with "
+                                    "TensorRT's libraries) on a machine with an NVIDIA GPU, or use backend onnxruntime-cpu")
+            providers = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+        elif backend == "onnxruntime-cuda":
             why = cuda_missing()
             if why:
                 raise ArtifactError(f"backend onnxruntime-cuda: {why}; pip install 'kiln[gpu]' (onnxruntime-gpu) on "
@@ -46,14 +54,19 @@ def make_runtime(backend: str, threads: int | None = None, optimization: str = "
     raise ArtifactError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def cuda_missing() -> str | None:
+def provider_missing(provider: str) -> str | None:
+    """Why ONNX Runtime cannot use ``provider`` here (None: it can)."""
     import onnxruntime as ort
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "this onnxruntime has no CUDA execution provider"
+    if provider not in ort.get_available_providers():
+        return f"this onnxruntime has no {provider.replace('ExecutionProvider', '')} execution provider"
     from kiln.runtimes.tensorrt import compute_capability
 
     return None if compute_capability() else "no NVIDIA GPU is visible"
+
+
+def cuda_missing() -> str | None:
+    return provider_missing("CUDAExecutionProvider")
 
 
 def choose_backend(manifest: Manifest) -> tuple[str, dict[str, str]]:

@@ -45,8 +45,10 @@ class OnnxRuntime(Runtime):
         for key, value in self.session_config.items():  # e.g. session.intra_op.allow_spinning
             opts.add_session_config_entry(key, value)
         path = manifest.graph_path(graph)
+        providers = [(p, tensorrt_provider_options(manifest)) if p == "TensorrtExecutionProvider" else p
+                     for p in self.providers]
         try:
-            self._session = ort.InferenceSession(str(path), opts, providers=self.providers)
+            self._session = ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as e:  # ORT raises its own untyped errors
             raise _load_failure(e, path, manifest, self.providers) from e
         self._path = str(path)
@@ -204,6 +206,17 @@ class SharedBufferCache(CacheRunner):
 
 
 REDUCED_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def tensorrt_provider_options(manifest: Manifest) -> dict[str, str]:
+    """ONNX Runtime's TensorRT provider with its engine and timing caches in the artifact's
+    ``engines/onnxruntime-trt`` (built on the first load, reused after; the provider keys them to the GPU and
+    TensorRT version itself). Precision is the graph's: no FP16/INT8 builder flags."""
+    cache = manifest.root / "engines" / "onnxruntime-trt"
+    cache.mkdir(parents=True, exist_ok=True)
+    return {"trt_engine_cache_enable": "True", "trt_engine_cache_path": str(cache),
+            "trt_timing_cache_enable": "True", "trt_timing_cache_path": str(cache),
+            "trt_max_workspace_size": str(4 << 30)}
 
 
 def _load_failure(e: Exception, path: Path, manifest: Manifest, providers: list[str]) -> ArtifactError:

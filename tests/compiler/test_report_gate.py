@@ -22,6 +22,11 @@ from kiln.cli import main
 GATE = "[gate]\nmax_ppl_increase_pct = 2.0\nmin_top1_agreement = 0.95\nmax_kl_mean = 0.02\n"
 
 
+def entry(report_dir, i: int = 0) -> dict:
+    """One artifact's entry of a report (schema 2: one per artifact)."""
+    return json.loads((report_dir / "report.json").read_text())["artifacts"][i]
+
+
 def rtn_2bit(w: np.ndarray) -> np.ndarray:
     """Round-to-nearest onto 4 levels per output column (min..max): a deliberately ruined weight."""
     lo, hi = w.min(0), w.max(0)
@@ -54,19 +59,26 @@ def trained(tmp_path_factory):
     data.write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 8])}) + "\n" for i in range(0, 8 * 24, 8)))
     fp32 = compile(ckpt, root / "fp32", fast_options())
     bad = degrade(fp32, root / "bad")
+    int8 = compile(ckpt, root / "int8", fast_options(precision="int8"))
     reports = {}
     for name, art in (("fp32", fp32), ("bad", bad)):
         assert main(["report", str(art), "--reference", str(ckpt), "--data", str(data), "-o", str(root / f"r-{name}"),
                      "-q", "--max-texts", "16", "--latency-seconds", "0.3", "--threads", "2"]) == 0
         reports[name] = root / f"r-{name}"
-    return {"ckpt": ckpt, "data": data, "reports": reports, "root": root}
+    (root / "gate.toml").write_text(GATE)
+    assert main(["report", str(fp32), str(int8), str(bad), "--reference", str(ckpt), "--data", str(data), "-o",
+                 str(root / "r-compare"), "-q", "--max-texts", "16", "--latency-seconds", "0.6", "--threads", "2",
+                 "--config", str(root / "gate.toml")]) == 0
+    reports["compare"] = root / "r-compare"
+    return {"ckpt": ckpt, "data": data, "reports": reports, "root": root,
+            "artifacts": {"fp32": fp32, "int8": int8, "bad": bad}}
 
 
 def test_fp32_perplexity_agrees_with_pytorch(trained):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    report = json.loads((trained["reports"]["fp32"] / "report.json").read_text())
+    report = entry(trained["reports"]["fp32"])
     tok = AutoTokenizer.from_pretrained(str(trained["ckpt"]))
     model = AutoModelForCausalLM.from_pretrained(str(trained["ckpt"])).eval()
     texts = [json.loads(line)["text"] for line in trained["data"].read_text().splitlines()][:16]
@@ -88,7 +100,7 @@ def test_fp32_perplexity_agrees_with_pytorch(trained):
 
 
 def test_per_layer_table_locates_the_error(trained):
-    fp32, bad = (json.loads((trained["reports"][n] / "report.json").read_text())["layers"] for n in ("fp32", "bad"))
+    fp32, bad = (entry(trained["reports"][n])["layers"] for n in ("fp32", "bad"))
     assert [r["layer"] for r in bad] == [1, 2]
     assert bad[0]["relative_error"] > 100 * fp32[0]["relative_error"] and bad[0]["relative_error"] > 0.01
 
@@ -99,8 +111,8 @@ def test_report_of_a_pruned_artifact_shows_the_cost_per_layer(trained, tmp_path)
     out = compile(trained["ckpt"], tmp_path / "pruned", fast_options(prune="ffn=0.2"))
     assert main(["report", str(out), "--reference", str(trained["ckpt"]), "--data", str(trained["data"]), "-o",
                  str(tmp_path / "r"), "-q", "--max-texts", "8", "--latency-seconds", "0.2", "--threads", "2"]) == 0
-    r = json.loads((tmp_path / "r" / "report.json").read_text())
-    fp32 = json.loads((trained["reports"]["fp32"] / "report.json").read_text())["layers"]
+    r = entry(tmp_path / "r")
+    fp32 = entry(trained["reports"]["fp32"])["layers"]
     assert r["pruning"]["method"] == "flap" and r["pruning"]["compile_cost"]["ppl_increase_pct"] > 0
     assert [(x["layer"], x["ffn"], x["heads"]) for x in r["layers"]] == [(1, 138, 4), (2, 138, 4)]
     assert all(x["relative_error"] > 100 * f["relative_error"] for x, f in zip(r["layers"], fp32))
@@ -120,7 +132,7 @@ def test_gate_passes_fp32_and_fails_the_degraded_artifact_naming_metrics(trained
     for name in ("max_ppl_increase_pct", "min_top1_agreement", "max_kl_mean"):
         assert name in printed.err
     assert printed.out.count("FAIL") == 3
-    bad = json.loads((trained["reports"]["bad"] / "report.json").read_text())["metrics"]
+    bad = entry(trained["reports"]["bad"])["metrics"]
     assert bad["ppl_increase_pct"] > 10 and bad["greedy_match_rate"] < 1.0
 
 
@@ -135,7 +147,8 @@ def test_flags_override_files_and_pyproject_is_read(trained, tmp_path, monkeypat
 def test_baseline_flags_a_planted_latency_regression(trained, tmp_path, capsys):
     current = trained["reports"]["fp32"] / "report.json"
     data = json.loads(current.read_text())
-    data["latency"]["p50_ms"] = data["latency"]["p50_ms"] / 2  # the last release was twice as fast
+    last = data["artifacts"][0]["latency"]
+    last["p50_ms"] = last["p50_ms"] / 2  # the last release was twice as fast
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(data))
     assert main(["gate", str(current), "--baseline", str(baseline), "--max-latency-regression-pct", "20"]) == 1
@@ -201,14 +214,157 @@ def test_encoder_report_has_cosine_and_gates_on_it(artifacts, checkpoints, tmp_p
     data.write_text("The cat sat on the mat.\nCompilers rewrite graphs into faster operations.\n")
     assert main(["report", str(artifacts["bert"]), "--reference", str(checkpoints["bert"]), "--data", str(data),
                  "-o", str(tmp_path / "r"), "-q", "--latency-seconds", "0.2"]) == 0
-    m = json.loads((tmp_path / "r" / "report.json").read_text())["metrics"]
+    m = entry(tmp_path / "r")["metrics"]
     assert m["cosine_min"] > 0.9999
     capsys.readouterr()
     assert main(["gate", str(tmp_path / "r" / "report.json"), "--min-cosine", "0.999"]) == 0
 
 
-def test_report_refuses_encoder_decoders_for_now(seq2seq_artifacts, trained, tmp_path, capsys):
+def test_encoder_decoder_report_checks_steps_and_greedy_tokens(seq2seq_artifacts, trained, tmp_path, capsys):
+    """T5: the decoder fed Hugging Face's greedy tokens agrees on every step's top-1 and its own greedy tokens match
+    generate's; the same artifact with one decoder weight ruined does not, and the gate names it."""
     art = seq2seq_artifacts["t5"]
     source = json.loads((art / "manifest.json").read_text())["model"]["source"]["path"]
-    assert main(["report", str(art), "--reference", source, "--data", str(trained["data"]), "-o", str(tmp_path / "r")]) == 2
-    assert "measures encoder and decoder artifacts" in capsys.readouterr().err and not (tmp_path / "r").exists()
+    broken = tmp_path / "broken"
+    shutil.copytree(art, broken)
+    model = onnx.load(str(broken / "decoder.onnx"))
+    big = max((t for t in model.graph.initializer if t.data_type == 1), key=lambda t: numpy_helper.to_array(t).size)
+    big.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(big)[::-1].copy(), big.name))
+    onnx.save(model, str(broken / "decoder.onnx"))
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest.pop("files")
+    write_manifest(broken, manifest)
+    (tmp_path / "gate.toml").write_text("[gate]\nmin_top1_agreement = 0.99\nmax_kl_mean = 0.001\n")
+    assert main(["report", str(art), str(broken), "--reference", source, "--data", str(trained["data"]), "-o",
+                 str(tmp_path / "r"), "-q", "--max-texts", "4", "--latency-seconds", "0.3",
+                 "--config", str(tmp_path / "gate.toml")]) == 0
+    good, bad = json.loads((tmp_path / "r" / "report.json").read_text())["artifacts"]
+    assert good["model"]["kind"] == "seq2seq" and good["metrics"]["steps"] == 16 and good["metrics"]["texts"] == 4
+    assert good["metrics"]["top1_agreement"] == 1.0 and good["metrics"]["greedy_match_rate"] == 1.0
+    assert good["metrics"]["kl_mean"] < 1e-6 and good["verdict"]["passed"] is True
+    assert bad["verdict"]["passed"] is False and "max_kl_mean" in bad["verdict"]["failing"]
+    assert "encoder + 16 greedy decoder steps" in good["latency"]["what"]
+    assert "| artifact | precision | size | p50 latency | speed-up | top-1 per step |" in (tmp_path / "r" / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["gate", str(tmp_path / "r" / "report.json"), "--config", str(tmp_path / "gate.toml")]) == 1
+    assert f"FAILED: {broken}:" in capsys.readouterr().err
+
+
+def test_comparison_report_leads_with_verdicts_and_names_the_failing_metrics(trained, capsys):
+    """FP32, INT8 and a 2-bit copy of the trained reference decoder in one report: the first two pass the gate's
+    thresholds, the 2-bit one fails naming each metric; the page and the markdown lead with that table."""
+    r = json.loads((trained["reports"]["compare"] / "report.json").read_text())
+    assert r["schema_version"] == 2 and r["thresholds"] == {"max_ppl_increase_pct": 2.0, "min_top1_agreement": 0.95,
+                                                            "max_kl_mean": 0.02}
+    fp32, int8, bad = r["artifacts"]
+    assert [e["name"] for e in r["artifacts"]] == ["fp32", "int8", "bad"]
+    assert fp32["verdict"]["passed"] is True and int8["verdict"]["passed"] is True
+    assert bad["verdict"]["passed"] is False
+    assert bad["verdict"]["failing"] == ["max_ppl_increase_pct", "min_top1_agreement", "max_kl_mean"]
+    assert fp32["speedup_vs_first"] == 1.0 and int8["size_bytes"] < fp32["size_bytes"]
+    assert all(e["latency"]["rounds"] == 5 and e["latency"]["runs"] >= 15 for e in r["artifacts"])
+    assert int8["metrics"]["ppl_increase_pct"] < 1.0 and bad["metrics"]["ppl_increase_pct"] > 10
+    md = (trained["reports"]["compare"] / "report.md").read_text()
+    head = md.split("\n## ")[0]  # everything before the per-artifact details
+    assert "| artifact | precision | size | p50 latency | speed-up | perplexity change | top-1 | KL mean |" in head
+    (bad_row,) = [line for line in head.splitlines() if line.startswith("| bad |")]
+    assert "FAIL: perplexity increase (%) +" in bad_row and "next-token top-1 agreement" in bad_row
+    assert "KL divergence, mean" in bad_row and head.count("| pass |") == 2
+    page = (trained["reports"]["compare"] / "report.html").read_text()
+    assert page.index('class="verdict"') < page.index("<img") < page.index("<h2>Details</h2>")
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == 5  # scatter, layers, logits errors, latency, KL
+
+
+def test_the_reference_runs_once_for_every_artifact(trained, tmp_path, monkeypatch):
+    from kiln.compiler.trace import EagerRunner
+    from kiln.evaluate import report as R
+    from kiln.evaluate.options import ReportOptions
+
+    calls = []
+    real = EagerRunner.run
+    monkeypatch.setattr(EagerRunner, "run", lambda self, feeds: calls.append(1) or real(self, feeds))
+    arts = trained["artifacts"]
+    out = R.report([arts["fp32"], arts["int8"]], trained["ckpt"], trained["data"], tmp_path / "r",
+                   ReportOptions(max_texts=4, latency_s=0.2, threads=2))
+    assert len(calls) == out["data"]["texts"] == 4  # not once per artifact
+    assert out["thresholds"] == {} and all(e["verdict"]["passed"] is None for e in out["artifacts"])
+    assert "no thresholds" in (tmp_path / "r" / "report.md").read_text()
+    with pytest.raises(Exception, match="given twice"):
+        R.report([arts["fp32"], arts["fp32"]], trained["ckpt"], trained["data"], tmp_path / "r2")
+
+
+def test_gate_one_artifact_or_every_artifact_of_a_comparison(trained, capsys):
+    report = str(trained["reports"]["compare"] / "report.json")
+    arts = trained["artifacts"]
+    config = ["--config", str(trained["root"] / "gate.toml")]
+    assert main(["gate", report, "--artifact", str(arts["int8"]), *config]) == 0
+    assert "FAIL" not in capsys.readouterr().out
+    assert main(["gate", report, "--artifact", str(arts["bad"]), *config]) == 1
+    err = capsys.readouterr().err
+    assert f"FAILED: {arts['bad']}: max_ppl_increase_pct (" in err and "min_top1_agreement" in err
+    assert main(["gate", report, *config]) == 1  # every entry: the 2-bit one fails, and is named
+    printed = capsys.readouterr()
+    assert printed.err.count("FAILED:") == 1 and str(arts["bad"]) in printed.err
+    assert "1 of 3 artifacts failed" in printed.err and printed.out.count("FAIL") == 3
+    assert main(["gate", report, "--artifact", "elsewhere/none", *config]) == 2
+    assert "--artifact elsewhere/none is not in the report" in capsys.readouterr().err
+    assert main(["gate", report, "--artifact", "int8", *config]) == 0  # a directory name is enough when unique
+
+
+def chromium() -> str:
+    """Debian's headless browser: found, or installed (root with apt-get), or the test is skipped saying why."""
+    import os
+    import subprocess
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe:
+        return exe
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get")):
+        pytest.skip("chromium is missing and cannot be installed here (needs root and apt-get): "
+                    "apt-get install chromium to run the browser check")
+    print("chromium is missing: installing Debian's chromium package for the report.html browser check")
+    for cmd in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
+                ["apt-get", "install", "-y", "-q", "chromium"]):
+        subprocess.run(cmd, capture_output=True, timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        exe = shutil.which("chromium")
+        if exe:
+            return exe
+    pytest.skip("apt-get could not install chromium here (no package index reachable)")
+
+
+PROBE = """<script>window.__errors=[];
+window.addEventListener('error',function(e){window.__errors.push(String(e.message||(e.target&&e.target.tagName)||e.type))},true);
+var __ce=console.error;console.error=function(){window.__errors.push([].join.call(arguments,' '));__ce.apply(console,arguments)};
+window.addEventListener('load',function(){var im=[].slice.call(document.images);
+document.title='KILN images='+im.length+' decoded='+im.filter(function(i){return i.complete&&i.naturalWidth>0}).length
++' errors='+window.__errors.length+' '+window.__errors.join('|')})</script>"""
+
+
+def test_report_renders_in_a_headless_browser(trained, tmp_path):
+    """report.html opened in headless Chromium as a user would: a screenshot that is not blank, every image decoded,
+    no console or load errors (a copy of the page carries the probe script; the page itself has none)."""
+    import subprocess
+
+    from matplotlib.image import imread
+
+    exe = chromium()
+    page = trained["reports"]["compare"] / "report.html"
+    base = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "shot.png"
+    run = subprocess.run(base + ["--window-size=1280,1600", f"--screenshot={shot}", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), run.stderr[-2000:]
+    pixels = imread(str(shot))[..., :3]
+    ink = (pixels.mean(-1) < 0.9).mean()  # share of pixels that are not (near) white
+    assert pixels.shape[:2] == (1600, 1280) and 0.02 < ink < 0.9 and pixels.std() > 0.05
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("<head>", "<head>" + PROBE, 1))
+    dom = subprocess.run(base + ["--enable-logging=stderr", "--v=0", "--virtual-time-budget=10000", "--dump-dom",
+                                 probe.as_uri()], capture_output=True, text=True, timeout=120)
+    title = re.search(r"<title>(KILN[^<]*)</title>", dom.stdout)
+    assert title is not None, dom.stderr[-2000:]
+    found = dict(re.findall(r"(\w+)=(\d+)", title.group(1)))
+    assert int(found["images"]) == 5 and found["decoded"] == found["images"], title.group(1)
+    assert found["errors"] == "0", title.group(1)
+    assert "CONSOLE" not in dom.stderr or "Uncaught" not in dom.stderr

@@ -216,3 +216,26 @@ def test_gpu_check_says_what_it_could_not_run(capsys):
     assert gpu_check.main(["--models", "minilm", "--precisions", "fp16"]) == 2
     out = capsys.readouterr().out
     assert f"nothing run: {why}. Not run: minilm fp16 (engine build, TensorRT parity" in out
+
+
+def test_onnxruntime_tensorrt_provider_caches_in_the_artifact_and_says_when_missing(artifacts, tmp_path, capsys):
+    import shutil
+
+    from kiln.cli import main
+    from kiln.runtimes.artifact import read_manifest
+    from kiln.runtimes.onnxruntime import tensorrt_provider_options
+
+    out = tmp_path / "a"
+    shutil.copytree(artifacts["bert"], out)
+    opts = tensorrt_provider_options(read_manifest(out))
+    cache = out / "engines" / "onnxruntime-trt"
+    assert opts["trt_engine_cache_path"] == opts["trt_timing_cache_path"] == str(cache) and cache.is_dir()
+    assert opts["trt_engine_cache_enable"] == opts["trt_timing_cache_enable"] == "True"
+    import onnxruntime as ort
+
+    if "TensorrtExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the TensorRT provider")
+    assert main(["run", str(out), "--text", "hello", "--backend", "onnxruntime-tensorrt"]) == 1
+    err = capsys.readouterr().err
+    assert "backend onnxruntime-tensorrt: this onnxruntime has no Tensorrt execution provider" in err
+    assert err.count("\n") == 1
