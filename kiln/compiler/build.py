@@ -358,8 +358,10 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
         data = manifest_lib.base(ckpt, facts, options, record, *trace.io_specs(ckpt), {"model": GRAPH})
         if ckpt.pruning is not None:
             data["pruning"] = ckpt.pruning
-        if any(p["name"] == "kv-cache" and p["stats"].get("layers") for p in record):
-            manifest_lib.add_kv_cache(data, ckpt, facts, options)
+        cache = next((p["name"] for p in record if p["name"] in ("kv-cache", "kv-cache-concat")
+                      and p["stats"].get("layers")), None)
+        if cache:
+            manifest_lib.add_kv_cache(data, ckpt, facts, options, shared_buffer=cache == "kv-cache")
         if any(p["name"] == "logits-to-keep" and p["stats"].get("sliced") for p in record):
             from kiln.passes.logits_to_keep import INPUT
 

@@ -84,8 +84,11 @@ def kv_names(layers: int) -> dict[str, list[str]]:
     }
 
 
-def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions) -> None:
-    """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop."""
+def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
+                 shared_buffer: bool = True) -> None:
+    """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop.
+    ``shared_buffer``: GroupQueryAttention's in-place cache (CPU); False for the TensorRT graph's Concat cache, whose
+    present is the past plus the new positions (a runtime feeds it back as the next past)."""
     capacity = options.max_length or ckpt.max_length
     if capacity > ckpt.max_length:
         raise UsageError(f"--max-length {capacity} exceeds the model's maximum sequence length {ckpt.max_length}; "
@@ -104,7 +107,7 @@ def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, opti
         "past": names["past"], "present": names["present"], "capacity": capacity,
         # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime
         # may bind one buffer of `capacity` positions as both past and present and never copy the cache.
-        "shared_buffer": True,
+        "shared_buffer": shared_buffer,
     }
     data["generation"] = generation_defaults(ckpt)
 

@@ -33,6 +33,7 @@ from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_mha import FuseMultiHeadAttention
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
 from kiln.passes.kv_cache import AddKVCache
+from kiln.passes.kv_cache_concat import AddKVCacheConcat
 from kiln.passes.pin_norms import PinNormsFP32
 from kiln.passes.reduce_precision import ReducePrecision
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
@@ -100,6 +101,7 @@ STAGES: dict[str, Stage] = {
                                                                       heads_per_layer=f.heads_per_layer),
                       coverage="fused"),
     "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers"),
+    "kv-cache-concat": Stage(lambda f, o, d: AddKVCacheConcat(f.num_kv_heads, f.head_size), coverage="layers"),
     "logits-to-keep": Stage(lambda f, o, d: LogitsToKeep()),
     "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(f.num_heads, f.head_size), coverage="fused"),
     "fuse-bias-gelu": Stage(lambda f, o, d: FuseBiasGelu()),
@@ -186,22 +188,23 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "decompose-norm", "eliminate-dead-nodes"),
     ("tensorrt", "encoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
                                       "check-tensorrt-ops"),
-    ("tensorrt", "decoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
-                                      "check-tensorrt-ops"),
+    # decoders: the KV cache as standard-op Concats (kv-cache-concat), Attention itself without cache IO
+    ("tensorrt", "decoder", "fp32"): (*CLEANUP, "canonicalize-attention", "kv-cache-concat", "pin-norms-fp32",
+                                      "eliminate-dead-nodes", "check-tensorrt-ops"),
     # FP16 / BF16: weights and activations reduced, index-derived values and IO kept, then norms, softmax and
     # reductions pinned back to FP32 (TensorRT's networks are strongly typed: the graph's types are the precision)
-    **{("tensorrt", kind, p): (*CLEANUP, "canonicalize-attention", "reduce-precision", "pin-norms-fp32",
-                               "eliminate-dead-nodes", "check-tensorrt-ops")
+    **{("tensorrt", kind, p): (*CLEANUP, "canonicalize-attention", *(("kv-cache-concat",) if kind == "decoder" else ()),
+                               "reduce-precision", "pin-norms-fp32", "eliminate-dead-nodes", "check-tensorrt-ops")
        for kind in ("encoder", "decoder") for p in ("fp16", "bf16")},
     ("tensorrt", "encoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",
                                              "eliminate-dead-nodes", "check-tensorrt-ops"),
-    ("tensorrt", "decoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",
-                                             "eliminate-dead-nodes", "check-tensorrt-ops"),
+    ("tensorrt", "decoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "kv-cache-concat", "pin-norms-fp32",
+                                             *INT8, "quantize-qdq", "eliminate-dead-nodes", "check-tensorrt-ops"),
     # blocked INT4 DequantizeLinear (opset 21) + MatMul, symmetric with positive scales
     ("tensorrt", "encoder", "int4"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "gemm-to-matmul",
                                       "quantize-nbits", "eliminate-dead-nodes", "check-tensorrt-ops"),
-    ("tensorrt", "decoder", "int4"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "gemm-to-matmul",
-                                      "quantize-nbits", "eliminate-dead-nodes", "check-tensorrt-ops"),
+    ("tensorrt", "decoder", "int4"): (*CLEANUP, "canonicalize-attention", "kv-cache-concat", "pin-norms-fp32",
+                                      "gemm-to-matmul", "quantize-nbits", "eliminate-dead-nodes", "check-tensorrt-ops"),
 }
 
 

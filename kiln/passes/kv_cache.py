@@ -27,8 +27,8 @@ PAST = "past_key_values.{}.{}"
 PRESENT = "present.{}.{}"
 
 
-class AddKVCache(Pass):
-    name = "kv-cache"
+class CachePass(Pass):
+    """What a KV-cache pass is told: the cache's kv heads and head size, and the graph's mask and token inputs."""
 
     def __init__(self, num_kv_heads: int, head_size: int, mask_input: str = "attention_mask",
                  ids_input: str = "input_ids") -> None:
@@ -36,6 +36,10 @@ class AddKVCache(Pass):
         self.head_size = head_size
         self.mask_input = mask_input
         self.ids_input = ids_input
+
+
+class AddKVCache(CachePass):
+    name = "kv-cache"
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)

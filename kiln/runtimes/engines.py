@@ -59,7 +59,9 @@ def axis_ranges(manifest: dict[str, Any], given: dict[str, Range] | None = None)
         cap = int(kv["capacity"])
         limits |= {"past_sequence": (0, cap - 1), "total_sequence": (1, cap)}
         opt_past = min(DEFAULT_OPT_SEQUENCE, cap - 1)
-        defaults |= {"past_sequence": (0, opt_past, cap - 1), "total_sequence": (1, opt_past + 1, cap)}
+        # the optimum is a decode step (one new token after opt_past): consistent, as TensorRT's shape checks need
+        defaults |= {"sequence": (1, 1, seq_max), "past_sequence": (0, opt_past, cap - 1),
+                     "total_sequence": (1, opt_past + 1, cap)}
     used = {d for spec in manifest["inputs"] for d in spec["shape"] if isinstance(d, str)}
     out = {axis: r for axis, r in defaults.items() if axis in used}
     for axis, (lo, opt, hi) in (given or {}).items():
@@ -71,6 +73,12 @@ def axis_ranges(manifest: dict[str, Any], given: dict[str, Range] | None = None)
             raise UsageError(f"--profile {axis}={lo}:{opt}:{hi} is outside what the artifact allows ({low}..{high}); "
                              "recompile with --max-length for longer sequences")
         out[axis] = (lo, opt, hi)
+    if kv and {"sequence", "past_sequence", "total_sequence"} <= set(out):
+        seq, past, total = out["sequence"][1], out["past_sequence"][1], out["total_sequence"][1]
+        if seq + past != total:
+            raise UsageError(f"--profile: the optimum must be one consistent step, seq + past = total "
+                             f"({seq} + {past} != {total}); e.g. seq=1:1:{out['sequence'][2]},past=0:{total - 1}:"
+                             f"{out['past_sequence'][2]},total=1:{total}:{out['total_sequence'][2]}")
     missing = used - set(out)
     if missing:
         raise ArtifactError(f"the artifact's inputs use axes {', '.join(sorted(missing))} kiln has no profile rule "

@@ -128,7 +128,7 @@ def steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_t
     kv = manifest_data.get("kv_cache")
     if not kv or manifest_data["model"]["task"] != "causal-lm":
         raise ArtifactError("this artifact cannot generate: it is not a causal-lm decoder compiled with a KV cache; "
-                            "compile a *ForCausalLM checkpoint with kiln compile (target cpu)")
+                            "compile a *ForCausalLM checkpoint with kiln compile")
     check_request(kv, prompt.ids.shape[1], max_new_tokens, sampling, int(manifest_data["model"]["max_sequence_length"]))
     runner = runtime.cache_runner(kv, prompt.ids.shape[0], prompt.ids.shape[1] + max_new_tokens)
     mask = prompt.mask

@@ -79,6 +79,8 @@ class OnnxRuntime(Runtime):
         self.pool.clear()
 
     def cache_runner(self, kv: dict, batch: int, length: int | None = None) -> CacheRunner:
+        if not kv.get("shared_buffer", True):  # a Concat cache (TensorRT graphs): the present grows, fed back
+            return CacheRunner(self, kv, batch)
         return SharedBufferCache(self, kv, batch, length)
 
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:

@@ -14,8 +14,8 @@ matches this TensorRT, this GPU, the artifact's precision and graph (a stale or 
 keeps one execution context, device buffers that grow to the largest shape seen, and one CUDA stream; a run sets
 each input's shape, copies the feeds in, ``execute_async_v3``, copies the outputs out. Device memory and streams come
 from the CUDA driver API through ctypes (``CudaDriver``): no torch, pycuda or cuda-python. TensorRT-target decoders
-have no KV cache in their graph (TensorRT's parser takes ONNX ``Attention`` without cache outputs, so
-``check-tensorrt-ops`` refuses them), so they run whole sequences: no GPU-resident cache yet.
+carry their KV cache as standard-op Concats (``kv-cache-concat``): ``DeviceCache`` keeps it on the GPU between
+steps, ping-ponging two buffers per cache tensor.
 
 Nothing in this module has run on a GPU in kiln's CI: it is written to TensorRT's documented API, type-checked
 against ``tensorrt-stubs`` (``make typecheck``), and ``tools/gpu_check.py`` exercises it where a GPU is.
@@ -36,7 +36,7 @@ import numpy as np
 
 from kiln.errors import ArtifactError, InputError, KilnError, UsageError
 from kiln.runtimes.artifact import Manifest, read_manifest
-from kiln.runtimes.base import Runtime
+from kiln.runtimes.base import CacheRunner, Runtime
 from kiln.runtimes.engines import (
     EngineRecord,
     axis_ranges,
@@ -270,7 +270,7 @@ class CudaDriver:
 
 
 class TensorRTRuntime(Runtime):
-    """Runs an artifact's TensorRT engine (``backend="tensorrt"``): whole-graph runs; decoders without a cache."""
+    """Runs an artifact's TensorRT engine (``backend="tensorrt"``); decoders generate through ``DeviceCache``."""
 
     name = "tensorrt"
 
@@ -323,17 +323,26 @@ class TensorRTRuntime(Runtime):
         return ptr
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.execute(feeds, {}, {}, None)
+
+    def execute(self, feeds: Mapping[str, np.ndarray], device_inputs: Mapping[str, tuple[int, tuple[int, ...]]],
+                device_outputs: Mapping[str, int], fetch: list[str] | None) -> dict[str, np.ndarray]:
+        """One engine run. ``feeds``: host arrays, copied in; ``device_inputs``: (pointer, shape) of inputs already
+        on the GPU (a KV cache); ``device_outputs``: outputs written straight into GPU buffers the caller owns;
+        ``fetch``: the outputs copied back (None: every output not in ``device_outputs``)."""
         if self._context is None or self._cuda is None:
             from kiln.errors import ClosedError
 
             raise ClosedError("the TensorRT engine was closed (or never loaded); load the artifact again to run it")
         arrays = {n: np.ascontiguousarray(feeds[n], dtype=self._dtypes[n]) for n in self._inputs if n in feeds}
-        absent = [n for n in self._inputs if n not in arrays]
+        absent = [n for n in self._inputs if n not in arrays and n not in device_inputs]
         if absent:
             raise InputError(f"the engine takes input(s) {', '.join(absent)} that were not fed")
-        problem = outside_profile({n: a.shape for n, a in arrays.items()}, self._profiles)
+        problem = outside_profile({**{n: a.shape for n, a in arrays.items()},
+                                   **{n: shape for n, (_, shape) in device_inputs.items()}}, self._profiles)
         if problem:
             raise InputError(problem)
+        wanted = [n for n in self._outputs if n not in device_outputs] if fetch is None else fetch
         with self._lock:
             for name, array in arrays.items():
                 if not self._context.set_input_shape(name, array.shape):
@@ -341,20 +350,32 @@ class TensorRTRuntime(Runtime):
                 ptr = self._buffer(name, array.nbytes)
                 self._cuda.to_device(ptr, array)
                 self._context.set_tensor_address(name, ptr)
+            for name, (ptr, shape) in device_inputs.items():
+                if not self._context.set_input_shape(name, shape):
+                    raise InputError(f"TensorRT refused shape {list(shape)} for input {name}")
+                self._context.set_tensor_address(name, ptr)
             unresolved = self._context.infer_shapes()
             if unresolved:
                 raise ArtifactError(f"TensorRT could not infer the shapes of {', '.join(unresolved)}; rebuild the engine")
             out: dict[str, np.ndarray] = {}
             for name in self._outputs:
+                if name in device_outputs:
+                    self._context.set_tensor_address(name, device_outputs[name])
+                    continue
                 shape = tuple(self._context.get_tensor_shape(name))
-                out[name] = np.empty(shape, self._dtypes[name])
-                self._context.set_tensor_address(name, self._buffer(name, out[name].nbytes))
+                host = np.empty(shape, self._dtypes[name])
+                self._context.set_tensor_address(name, self._buffer(name, host.nbytes))
+                if name in wanted:
+                    out[name] = host
             if not self._context.execute_async_v3(self._cuda.stream_handle):
                 raise ArtifactError(f"TensorRT failed to execute {self.plan}; rerun with KILN_LOG=debug for its log")
             for name, array in out.items():
                 self._cuda.to_host(array, self._buffers[name][0])
             self._cuda.synchronize()
         return out
+
+    def cache_runner(self, kv: dict, batch: int, length: int | None = None) -> CacheRunner:
+        return DeviceCache(self, kv, batch, length)
 
     def close(self) -> None:
         with self._lock:
@@ -365,3 +386,46 @@ class TensorRTRuntime(Runtime):
                 self._context = self._engine = self._runtime = None
                 self._cuda.close()
                 self._cuda = None
+
+
+class DeviceCache(CacheRunner):
+    """A decoder's KV cache kept on the GPU between steps: two device buffers per cache tensor, sized for the request
+    (``length`` positions, else the capacity). A step reads the past from one and the engine writes the present (past
+    plus the new positions, the graph's Concat) into the other; then they swap. Only the token ids, the mask and the
+    logits cross the bus."""
+
+    def __init__(self, runtime: TensorRTRuntime, kv: dict, batch: int, length: int | None = None) -> None:
+        if runtime._cuda is None:
+            from kiln.errors import ClosedError
+
+            raise ClosedError("the TensorRT engine was closed; load the artifact again to generate")
+        self.runtime = self.engine = runtime
+        self.cuda = runtime._cuda
+        self.positions = int(length or kv["capacity"])
+        self.heads, self.head_size, self.batch = int(kv["num_kv_heads"]), int(kv["head_size"]), batch
+        self.pairs = list(zip(kv["past"], kv["present"]))
+        itemsize = runtime._dtypes[self.pairs[0][0]].itemsize
+        nbytes = batch * self.heads * self.positions * self.head_size * itemsize
+        self.buffers = {past: [self.cuda.alloc(nbytes), self.cuda.alloc(nbytes)] for past, _ in self.pairs}
+        self.current = 0
+        self.past_len = 0
+        self.fixed = {kv["logits_to_keep"]: np.array(1, np.int64)} if kv.get("logits_to_keep") else {}
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        new = int(input_ids.shape[1])
+        if self.past_len + new > self.positions:
+            raise InputError(f"the request needs {self.past_len + new} positions but its cache holds {self.positions}; "
+                             "ask for fewer new tokens")
+        shape = (self.batch, self.heads, self.past_len, self.head_size)
+        inputs = {past: (self.buffers[past][self.current], shape) for past, _ in self.pairs}
+        outputs = {present: self.buffers[past][1 - self.current] for past, present in self.pairs}
+        out = self.engine.execute({"input_ids": input_ids, "attention_mask": attention_mask, **self.fixed}, inputs,
+                                   outputs, ["logits"])
+        self.current, self.past_len = 1 - self.current, self.past_len + new
+        return out["logits"]
+
+    def close(self) -> None:
+        for pair in self.buffers.values():
+            for ptr in pair:
+                self.cuda.free(ptr)
+        self.buffers = {}

@@ -54,11 +54,15 @@ def test_reduced_graph_types_io_and_tensorrt_ops(reduced):
                for a in n.attribute if a.name == "softmax_precision")
     # rotary angles from the position ids: FP32 up to the Cos/Sin, the cache cast down where RoPE takes it
     assert {types[n.input[0]] for n in model.graph.node if n.op_type in ("Cos", "Sin")} == {TensorProto.FLOAT}
-    assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input} == {"input_ids": TensorProto.INT64,
-                                                                                "attention_mask": TensorProto.INT64}
-    assert model.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    assert inputs.pop("input_ids") == inputs.pop("attention_mask") == TensorProto.INT64
+    assert len(inputs) == 4 and set(inputs.values()) == {TensorProto.FLOAT}  # the KV cache, FP32 at the boundary
+    assert {o.type.tensor_type.elem_type for o in model.graph.output} == {TensorProto.FLOAT}
     passes = {p["name"]: p["stats"] for p in data["passes"]}
     assert passes["reduce-precision"]["reduced_nodes"] > 20 and passes["pin-norms-fp32"]["pinned"] == 5
+    assert passes["kv-cache-concat"]["layers"] == 2
+    gen = data["verification"]["generation"]  # 16 greedy steps through the reduced graph's cache
+    assert gen["steps"] == 16 and (precision == "bf16" or gen["tokens_identical"] is True)  # BF16: near-ties may flip
     num = data["verification"]["numerics"]
     assert num["graph"] == "emulated" and num["ran_on"] == "onnxruntime-cpu"
     assert ("IEEE" if precision == "fp16" else "Could not find an implementation") in num["why"]

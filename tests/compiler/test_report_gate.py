@@ -368,3 +368,13 @@ def test_report_renders_in_a_headless_browser(trained, tmp_path):
     assert int(found["images"]) == 5 and found["decoded"] == found["images"], title.group(1)
     assert found["errors"] == "0", title.group(1)
     assert "CONSOLE" not in dom.stderr or "Uncaught" not in dom.stderr
+
+
+def test_gate_still_reads_a_version_1_report_and_refuses_mixed_comparisons(trained, tmp_path, artifacts, capsys):
+    one = {"schema": "kiln-report", "schema_version": 1, **entry(trained["reports"]["compare"], 2)}
+    (tmp_path / "v1.json").write_text(json.dumps(one))
+    assert main(["gate", str(tmp_path / "v1.json"), "--config", str(trained["root"] / "gate.toml")]) == 1
+    assert "max_ppl_increase_pct" in capsys.readouterr().err
+    assert main(["report", str(trained["artifacts"]["fp32"]), str(artifacts["bert"]), "--reference",
+                 str(trained["ckpt"]), "--data", str(trained["data"]), "-o", str(tmp_path / "r")]) == 2
+    assert "compare artifacts of one reference" in capsys.readouterr().err and not (tmp_path / "r").exists()

@@ -1,0 +1,139 @@
+"""The TensorRT backend's own logic without a GPU: shapes, buffers, the profile check and the GPU-resident KV cache,
+run against a stand-in engine. The stand-in has TensorRT's execution-context interface and computes with ONNX Runtime
+on memory a stand-in CUDA driver keeps in host arrays, so a wrong pointer, shape or cache swap changes the tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import kiln.runtimes as kr
+from conftest import fast_options
+from kiln.compiler import compile
+from kiln.errors import InputError
+from kiln.runtimes.artifact import read_manifest
+from kiln.runtimes.engines import axis_ranges, input_profiles
+from kiln.runtimes.tensorrt import TensorRTRuntime
+
+
+class HostCuda:
+    """CudaDriver's interface over host memory: pointers are keys into byte arrays."""
+
+    def __init__(self) -> None:
+        self.mem: dict[int, np.ndarray] = {}
+        self.next = 4096
+        self.freed: list[int] = []
+
+    def alloc(self, nbytes: int) -> int:
+        self.next += 4096 + nbytes
+        self.mem[self.next] = np.zeros(max(nbytes, 1), np.uint8)
+        return self.next
+
+    def free(self, ptr: int) -> None:
+        del self.mem[ptr]
+        self.freed.append(ptr)
+
+    def to_device(self, ptr: int, array: np.ndarray) -> None:
+        self.mem[ptr][:array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+
+    def to_host(self, array: np.ndarray, ptr: int) -> None:
+        array.view(np.uint8).ravel()[:] = self.mem[ptr][:array.nbytes]
+
+    def read(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.mem[ptr][:n].view(dtype).reshape(shape).copy()
+
+    def synchronize(self) -> None:
+        pass
+
+    stream_handle = 0
+
+    def close(self) -> None:
+        pass
+
+
+class OrtContext:
+    """IExecutionContext's calls the backend makes, computing with ONNX Runtime on HostCuda memory."""
+
+    def __init__(self, session: ort.InferenceSession, cuda: HostCuda, dtypes: dict[str, np.dtype]) -> None:
+        self.session, self.cuda, self.dtypes = session, cuda, dtypes
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+        self.results: dict[str, np.ndarray] = {}
+
+    def set_input_shape(self, name: str, shape: tuple) -> bool:
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        self.addresses[name] = ptr
+        return True
+
+    def infer_shapes(self) -> list[str]:
+        feeds = {n: self.cuda.read(self.addresses[n], s, self.dtypes[n]) for n, s in self.shapes.items()}
+        names = [o.name for o in self.session.get_outputs()]
+        self.results = dict(zip(names, self.session.run(None, feeds)))
+        return []
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self.results[name].shape
+
+    def execute_async_v3(self, stream: int) -> bool:
+        for name, value in self.results.items():
+            self.cuda.to_device(self.addresses[name], value)
+        return True
+
+
+def stand_in(artifact) -> tuple[TensorRTRuntime, HostCuda]:
+    manifest = read_manifest(artifact)
+    session = ort.InferenceSession(str(manifest.graph_path()), providers=["CPUExecutionProvider"])
+    rt = TensorRTRuntime()
+    cuda = HostCuda()
+    dtypes = {a.name: np.dtype(np.int64 if a.type == "tensor(int64)" else np.float32)
+              for a in list(session.get_inputs()) + list(session.get_outputs())}
+    rt._cuda, rt._dtypes = cuda, dtypes  # type: ignore[assignment]
+    rt._context = OrtContext(session, cuda, dtypes)
+    rt._inputs = [i.name for i in session.get_inputs()]
+    rt._outputs = [o.name for o in session.get_outputs()]
+    rt._profiles = input_profiles(manifest.data, axis_ranges(manifest.data))
+    return rt, cuda
+
+
+@pytest.fixture(scope="module")
+def trt_llama(checkpoints, tmp_path_factory):
+    return compile(checkpoints["llama"], tmp_path_factory.mktemp("trt") / "llama", fast_options(target="tensorrt"))
+
+
+def test_generation_through_the_device_cache_matches_onnxruntime(trt_llama):
+    rt, cuda = stand_in(trt_llama)
+    manifest = read_manifest(trt_llama)
+    assert manifest.data["kv_cache"]["shared_buffer"] is False  # the Concat cache: present = past + new
+    engine_model = kr.Model(manifest, {"model": rt})
+    prompts = [[5, 9, 17, 3, 44], [7, 2]]  # left-padded into one batch: the mask covers pads, past and new
+    with kr.load(trt_llama) as cpu:
+        want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    got = engine_model.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    np.testing.assert_array_equal(got, want)
+    live = len(cuda.mem)
+    runner = rt.cache_runner(manifest.data["kv_cache"], 1, 8)
+    ids = np.array([[5, 9, 17]])
+    first = runner.step(ids, np.ones((1, 3), np.int64))
+    assert runner.past_len == 3 and runner.current == 1
+    with kr.load(trt_llama) as cpu:
+        np.testing.assert_allclose(first[:, -1], cpu.run({"input_ids": ids, "attention_mask": np.ones((1, 3),
+                                                                                       np.int64)})["logits"][:, -1],
+                                   atol=1e-5)
+    runner.step(np.array([[4]]), np.ones((1, 4), np.int64))
+    with pytest.raises(InputError, match="needs 9 positions but its cache holds 8"):
+        runner.step(np.ones((1, 5), np.int64), np.ones((1, 9), np.int64))
+    runner.close()
+    assert len(cuda.mem) == live  # every cache buffer it took was freed
+
+
+def test_a_shape_outside_the_engine_profile_is_refused_before_running(trt_llama):
+    rt, _ = stand_in(trt_llama)
+    rt._profiles = {"input_ids": ((1, 1), (1, 1), (2, 16))}
+    with pytest.raises(InputError, match=r"input input_ids has shape \[3, 4\], outside the engine's profile"):
+        rt.run({"input_ids": np.ones((3, 4), np.int64), "attention_mask": np.ones((3, 4), np.int64),
+                **{n: np.zeros((3, 2, 0, 16), np.float32) for n in rt._inputs if n.startswith("past")}})
