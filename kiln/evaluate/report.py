@@ -65,12 +65,14 @@ class Reference:
         return self._outputs[key]
 
     def hidden(self, ids: list[int]) -> list[np.ndarray]:
+        """Each layer's output (``hidden_states[1:]``); encoder-decoders: the encoder's."""
         import torch
 
         key = tuple(ids)
         if key not in self._hidden:
+            module = self.ckpt.model.get_encoder() if self.ckpt.kind == "seq2seq" else self.ckpt.model
             with torch.inference_mode():
-                hs = self.ckpt.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+                hs = module(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
             self._hidden[key] = [h.float().numpy().reshape(-1) for h in hs[1:]]
         return self._hidden[key]
 
@@ -203,7 +205,7 @@ def measure(path: Path, model: kr.Model, ref: Reference, rows: list[list[int]], 
     if kind == "seq2seq":
         entry |= seq2seq_metrics(model, ref, rows, errors)
         entry["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
-        entry["layers"] = []  # two graphs and a cache: no single tensor per layer to match (yet)
+        entry["layers"] = layer_errors(path, model, ref, rows[:8], threads, graph="encoder")  # the encoder's layers
         return entry
     if kind == "decoder":
         entry |= decoder_metrics(model, ref, rows, errors)
@@ -330,19 +332,28 @@ def encoder_metrics(model: kr.Model, reference: Reference, rows: list[list[int]]
             "cosine_per_text": cos}
 
 
+NORMS = ("RMSNormalization", "SimplifiedLayerNormalization", "LayerNormalization", "SkipSimplifiedLayerNormalization",
+         "SkipLayerNormalization")
+
+
 def layer_errors(root: Path, model: kr.Model, reference: Reference, rows: list[list[int]],
-                 threads: int | None = None) -> list[dict[str, Any]]:
+                 threads: int | None = None, graph: str = "model") -> list[dict[str, Any]]:
     """Where the error enters: each layer's output (Hugging Face ``hidden_states``) against the artifact
     tensor that carries it. The graph's sums and norms are exposed as outputs and each hidden state is
     matched to the closest one by value (names do not survive export and fusion); the relative error
-    of that tensor is the layer's, averaged over the texts."""
+    of that tensor is the layer's, averaged over the texts. ``graph``: encoder-decoders' "encoder", whose
+    inputs are the artifact's own; where its norms are decomposed (T5's RMS norm ends in a Mul by its weight)
+    the products are candidates too."""
     import onnx
 
-    graph = onnx.load(str(root / model.manifest.data["graphs"]["model"]))
-    names = [o for n in graph.graph.node if n.op_type in ("Add", "RMSNormalization", "SimplifiedLayerNormalization",
-                                                           "LayerNormalization", "SkipSimplifiedLayerNormalization",
-                                                           "SkipLayerNormalization") for o in n.output[:4] if o]
-    sess = graphrun.session(graphrun.expose(graph, names), threads)
+    proto = onnx.load(str(root / model.manifest.data["graphs"][graph]))
+    kinds = ("Add", *NORMS) + (() if any(n.op_type in NORMS for n in proto.graph.node) else ("Mul",))
+    from kiln.passes.pin_norms import value_types
+
+    types = value_types(proto)  # shape arithmetic adds int64s: only FP32 activations are candidates
+    names = [o for n in proto.graph.node if n.op_type in kinds for o in n.output[:4]
+             if o and types.get(o, onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT]
+    sess = graphrun.session(graphrun.expose(proto, names), threads)
     wanted = {i.name for i in sess.get_inputs()}
     per_layer: dict[int, list[tuple[str, float]]] = {}
     for ids in rows:

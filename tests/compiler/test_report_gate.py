@@ -244,6 +244,9 @@ def test_encoder_decoder_report_checks_steps_and_greedy_tokens(seq2seq_artifacts
     assert good["metrics"]["kl_mean"] < 1e-6 and good["verdict"]["passed"] is True
     assert bad["verdict"]["passed"] is False and "max_kl_mean" in bad["verdict"]["failing"]
     assert "encoder + 16 greedy decoder steps" in good["latency"]["what"]
+    layers = json.loads((art / "manifest.json").read_text())["model"]["num_layers"]
+    assert [r["layer"] for r in good["layers"]] == list(range(1, layers + 1))  # the encoder's, each matched
+    assert all(r["relative_error"] < 1e-4 for r in good["layers"])
     assert "| artifact | precision | size | p50 latency | speed-up | top-1 per step |" in (tmp_path / "r" / "report.md").read_text()
     capsys.readouterr()
     assert main(["gate", str(tmp_path / "r" / "report.json"), "--config", str(tmp_path / "gate.toml")]) == 1
