@@ -361,7 +361,8 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
         cache = next((p["name"] for p in record if p["name"] in ("kv-cache", "kv-cache-concat")
                       and p["stats"].get("layers")), None)
         if cache:
-            manifest_lib.add_kv_cache(data, ckpt, facts, options, shared_buffer=cache == "kv-cache")
+            manifest_lib.add_kv_cache(data, ckpt, facts, options, shared_buffer=cache == "kv-cache",
+                                      dtype=cache_dtype(root / GRAPH))
         if any(p["name"] == "logits-to-keep" and p["stats"].get("sliced") for p in record):
             from kiln.passes.logits_to_keep import INPUT
 
@@ -433,6 +434,13 @@ def exact_copy(root: Path) -> Path:
 FP16_CPU_UNFAITHFUL = ("ONNX Runtime CPU loads it, but its FP16 graph is not IEEE-faithful at overflow (a decomposed "
                        "RMSNorm whose x**2 exceeds 65504 returns the FP32 answer there, zeros in IEEE FP16: "
                        "tests/passes/test_reduce_precision.py), so it would hide what a strongly typed engine stores")
+
+
+def cache_dtype(graph: Path) -> str:
+    """The KV cache's element type at the graph's boundary (float16 in FP16 TensorRT graphs, else float32)."""
+    model = onnx.load(str(graph), load_external_data=False)
+    past = next(i for i in model.graph.input if i.name.startswith("past_key_values."))
+    return "float16" if past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "float32"
 
 
 def numerics_graph(root: Path, precision: str) -> tuple[Path, dict[str, Any]]:

@@ -85,7 +85,7 @@ def kv_names(layers: int) -> dict[str, list[str]]:
 
 
 def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
-                 shared_buffer: bool = True) -> None:
+                 shared_buffer: bool = True, dtype: str = "float32") -> None:
     """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop.
     ``shared_buffer``: GroupQueryAttention's in-place cache (CPU); False for the TensorRT graph's Concat cache, whose
     present is the past plus the new positions (a runtime feeds it back as the next past)."""
@@ -97,12 +97,12 @@ def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, opti
     shape = ["batch", facts.num_kv_heads, "past_sequence", facts.head_size]
     data["inputs"] = [dict(s, shape=["batch", "total_sequence"]) if s["name"] == "attention_mask" else s
                       for s in data["inputs"]]
-    data["inputs"] += [TensorSpec(n, "float32", tuple(shape), True, "empty").to_json() for n in names["past"]]
-    data["outputs"] += [TensorSpec(n, "float32", tuple(shape[:2] + ["present_sequence"] + shape[3:])).to_json()
+    data["inputs"] += [TensorSpec(n, dtype, tuple(shape), True, "empty").to_json() for n in names["past"]]
+    data["outputs"] += [TensorSpec(n, dtype, tuple(shape[:2] + ["present_sequence"] + shape[3:])).to_json()
                         for n in names["present"]]
     data["dynamic_axes"]["total_sequence"] = {"min": 1, "max": capacity}
     data["kv_cache"] = {
-        "layout": ["batch", "kv_heads", "sequence", "head_size"], "dtype": "float32",
+        "layout": ["batch", "kv_heads", "sequence", "head_size"], "dtype": dtype,
         "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_size": facts.head_size,
         "past": names["past"], "present": names["present"], "capacity": capacity,
         # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime

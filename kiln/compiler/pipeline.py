@@ -112,7 +112,9 @@ STAGES: dict[str, Stage] = {
     # 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py).
     "decompose-norm": Stage(lambda f, o, d: DecomposeNorm()),
     "canonicalize-attention": Stage(lambda f, o, d: CanonicalizeAttention(f.head_size), coverage="canonical"),
-    "reduce-precision": Stage(lambda f, o, d: ReducePrecision(REDUCED_FLOAT.get(o.precision, "float16"))),
+    # FP16 graphs keep a decoder's KV cache in FP16 at the boundary too; BF16 ones in FP32 (numpy has no bfloat16)
+    "reduce-precision": Stage(lambda f, o, d: ReducePrecision(REDUCED_FLOAT.get(o.precision, "float16"),
+                                                              retyped_io=KV_IO if o.precision == "fp16" else ())),
     "pin-norms-fp32": Stage(lambda f, o, d: PinNormsFP32()),
     "check-tensorrt-ops": Stage(lambda f, o, d: CheckTensorRTOps()),
     "gemm-to-matmul": Stage(lambda f, o, d: GemmToMatMul()),
@@ -131,6 +133,7 @@ STAGES: dict[str, Stage] = {
 }
 
 HEAD_BITS = {"fp32": 0, "int8": 8, "int4": 4}
+KV_IO = ("past_key_values.", "present.")
 DEFAULT_LM_HEAD = "int8"
 """INT4's lm_head and embedding table: SmolLM2-135M held-out perplexity (README, INT4) int8 costs next to
 nothing over FP32 and keeps the artifact under 0.3x; int4 there costs several points."""

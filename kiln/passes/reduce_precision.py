@@ -54,11 +54,14 @@ def to_reduced(array: np.ndarray, dtype: int) -> onnx.TensorProto:
 class ReducePrecision(Pass):
     name = "reduce-precision"
 
-    def __init__(self, dtype: str = "float16") -> None:
+    def __init__(self, dtype: str = "float16", retyped_io: tuple[str, ...] = ()) -> None:
+        """``retyped_io``: name prefixes of graph inputs and outputs declared in the reduced type instead of cast at
+        the boundary (a decoder's KV cache: it stays FP16 between steps, half the bytes every step reads)."""
         if dtype not in REDUCED:
             raise ValueError(f"reduce-precision: dtype {dtype!r} is not one of {sorted(REDUCED)}")
         self.dtype = dtype
         self.elem = REDUCED[dtype]
+        self.retyped_io = retyped_io
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         types = value_types(model)
@@ -97,14 +100,21 @@ class ReducePrecision(Pass):
         down: dict[str, str] = {}
         new_nodes: list[onnx.NodeProto] = []
         entry = {}
+        retyped = 0
         for inp in g.g.input:
-            if is_float(inp.name):
+            if is_float(inp.name) and inp.name.startswith(self.retyped_io or ("\0",)):
+                inp.type.tensor_type.elem_type = self.elem
+                retyped += 1
+            elif is_float(inp.name):
                 entry[inp.name] = g.fresh(f"{inp.name}_{self.dtype}")
                 new_nodes.append(helper.make_node("Cast", [inp.name], [entry[inp.name]], to=self.elem,
                                                   name=g.fresh("ReduceIn")))
         renamed_out: dict[str, str] = {}
         for o in g.g.output:
-            if kind.get(o.name) == "act":
+            if kind.get(o.name) == "act" and o.name.startswith(self.retyped_io or ("\0",)):
+                o.type.tensor_type.elem_type = self.elem
+                retyped += 1
+            elif kind.get(o.name) == "act":
                 renamed_out[o.name] = g.fresh(f"{o.name}_{self.dtype}")
         counts = {"act": 0, "aux": 0}
         for idx, node in enumerate(g.g.node):
@@ -159,5 +169,6 @@ class ReducePrecision(Pass):
         g.prune()
         return PassResult(g.model, counts["act"] > 0,
                           {"reduced_nodes": counts["act"], "fp32_nodes": counts["aux"],
-                           "reduced_constants": len(reduced_const), "boundary_casts": len(entry) + len(renamed_out)},
+                           "reduced_constants": len(reduced_const), "boundary_casts": len(entry) + len(renamed_out),
+                           "retyped_io": retyped},
                           [Reason("*", f"{counts['aux']} index-derived node(s) kept in float32")] if counts["aux"] else [])

@@ -26,7 +26,7 @@ class CacheRunner:
     def __init__(self, runtime: "Runtime", kv: dict, batch: int) -> None:
         self.runtime = runtime
         shape = (batch, kv["num_kv_heads"], 0, kv["head_size"])
-        self.past = {name: np.zeros(shape, np.float32) for name in kv["past"]}
+        self.past = {name: np.zeros(shape, kv.get("dtype", "float32")) for name in kv["past"]}
         self.present = dict(zip(kv["present"], kv["past"]))
         # graphs with the input: the head runs for the last position only (generation reads no other)
         self.fixed = {kv["logits_to_keep"]: np.array(1, np.int64)} if kv.get("logits_to_keep") else {}

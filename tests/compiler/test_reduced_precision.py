@@ -56,8 +56,12 @@ def test_reduced_graph_types_io_and_tensorrt_ops(reduced):
     assert {types[n.input[0]] for n in model.graph.node if n.op_type in ("Cos", "Sin")} == {TensorProto.FLOAT}
     inputs = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     assert inputs.pop("input_ids") == inputs.pop("attention_mask") == TensorProto.INT64
-    assert len(inputs) == 4 and set(inputs.values()) == {TensorProto.FLOAT}  # the KV cache, FP32 at the boundary
-    assert {o.type.tensor_type.elem_type for o in model.graph.output} == {TensorProto.FLOAT}
+    # the KV cache: FP16 at the boundary in an FP16 graph (half the bytes a step reads), FP32 in a BF16 one
+    cache = TensorProto.FLOAT16 if precision == "fp16" else TensorProto.FLOAT
+    assert len(inputs) == 4 and set(inputs.values()) == {cache}
+    outputs = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+    assert outputs.pop("logits") == TensorProto.FLOAT and set(outputs.values()) == {cache}
+    assert data["kv_cache"]["dtype"] == ("float16" if precision == "fp16" else "float32")
     passes = {p["name"]: p["stats"] for p in data["passes"]}
     assert passes["reduce-precision"]["reduced_nodes"] > 20 and passes["pin-norms-fp32"]["pinned"] == 5
     assert passes["kv-cache-concat"]["layers"] == 2

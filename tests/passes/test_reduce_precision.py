@@ -164,3 +164,26 @@ def test_bf16_has_no_cpu_kernels_and_the_emulation_rounds_exactly(tmp_path):
     x = np.random.default_rng(1).standard_normal(64).astype(np.float32)
     expect = (x.astype(np.float16).astype(np.float32) + np.linspace(-3, 3, 64).astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(run_unoptimised(emulate(half), {"x": x})[0], expect.astype(np.float16).astype(np.float32))
+
+
+def test_named_io_is_declared_reduced_instead_of_cast_and_the_emulation_keeps_it():
+    """A decoder's KV cache (``retyped_io``): declared FP16 at the boundary, no Cast; the emulation takes and gives
+    FP16 there too, rounding inside as everywhere else."""
+    model = model_of([helper.make_node("Concat", ["past_key_values.0.key", "x"], ["present.0.key"], axis=0),
+                      helper.make_node("ReduceSum", ["present.0.key"], ["y"], keepdims=0)],
+                     [helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, ["p", 4]),
+                      helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                     [helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT, ["t", 4]),
+                      helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], [])
+    out, record = run_passes(model, [ReducePrecision("float16", retyped_io=("past_key_values.", "present."))])
+    assert record[0]["stats"]["retyped_io"] == 2 and record[0]["stats"]["boundary_casts"] == 2  # x in, y out
+    io = {v.name: v.type.tensor_type.elem_type for v in list(out.graph.input) + list(out.graph.output)}
+    assert io == {"past_key_values.0.key": TensorProto.FLOAT16, "x": TensorProto.FLOAT,
+                  "present.0.key": TensorProto.FLOAT16, "y": TensorProto.FLOAT}
+    past = np.arange(8, dtype=np.float16).reshape(2, 4)
+    x = np.full((1, 4), 0.1, np.float32)
+    direct = run_unoptimised(out, {"past_key_values.0.key": past, "x": x})
+    emulated = run_unoptimised(emulate(out), {"past_key_values.0.key": past, "x": x})
+    assert direct[0].dtype == emulated[0].dtype == np.float16
+    np.testing.assert_array_equal(emulated[0], direct[0])
+    np.testing.assert_allclose(emulated[1], direct[1], rtol=1e-3)

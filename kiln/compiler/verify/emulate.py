@@ -69,10 +69,32 @@ def emulate(model: onnx.ModelProto, store_as: int | None = None) -> onnx.ModelPr
                 rounding += [helper.make_node("Cast", [raw], [stored], to=store_as or types[v], name=f"{v}__round"),
                              helper.make_node("Cast", [stored], [v], to=TensorProto.FLOAT, name=f"{v}__widen")]
         nodes += [node, *rounding]
+    # inputs and outputs declared in a reduced type (an FP16 KV cache) keep it: widened on the way in, narrowed
+    # (exactly: the value is already rounded) on the way out
+    entry = []
+    for vi in g.input:
+        t = vi.type.tensor_type.elem_type
+        if t in REDUCED:
+            wide = f"{vi.name}__wide_in"
+            entry.append(helper.make_node("Cast", [vi.name], [wide], to=TensorProto.FLOAT, name=f"{vi.name}__widen_in"))
+            for node in nodes:
+                for i, v in enumerate(node.input):
+                    if v == vi.name:
+                        node.input[i] = wide
+    exits = []
+    for vi in g.output:
+        t = vi.type.tensor_type.elem_type
+        if t in REDUCED:
+            inner = f"{vi.name}__emulated"
+            for node in nodes:
+                for i, v in enumerate(node.output):
+                    if v == vi.name:
+                        node.output[i] = inner
+                for i, v in enumerate(node.input):
+                    if v == vi.name:
+                        node.input[i] = inner
+            exits.append(helper.make_node("Cast", [inner], [vi.name], to=t, name=f"{vi.name}__narrow_out"))
     del g.node[:]
-    g.node.extend(nodes)
+    g.node.extend(entry + nodes + exits)
     del g.value_info[:]
-    for vi in list(g.input) + list(g.output):
-        if vi.type.tensor_type.elem_type in REDUCED:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT
     return out
