@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["kiln/runtimes/tensorrt.py", "kiln/runtimes/engines.py"]
+MODULES = ["kiln/runtimes/tensorrt.py", "kiln/runtimes/engines.py", "kiln/runtimes/cuda.py"]
 
 
 def stubs(version: str, work: Path) -> Path:

@@ -60,7 +60,7 @@ def provider_missing(provider: str) -> str | None:
 
     if provider not in ort.get_available_providers():
         return f"this onnxruntime has no {provider.replace('ExecutionProvider', '')} execution provider"
-    from kiln.runtimes.tensorrt import compute_capability
+    from kiln.runtimes.cuda import compute_capability
 
     return None if compute_capability() else "no NVIDIA GPU is visible"
 
