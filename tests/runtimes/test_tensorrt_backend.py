@@ -115,6 +115,24 @@ def test_generation_through_the_device_cache_matches_onnxruntime(trt_llama):
         want = cpu.generate(prompts, max_new_tokens=12, stop_token_ids=[])
     got = engine_model.generate(prompts, max_new_tokens=12, stop_token_ids=[])
     np.testing.assert_array_equal(got, want)
+    real = rt.cache_runner
+
+    def no_swap(kv, batch, length=None):  # the planted bug: the present is written but never read back
+        runner = real(kv, batch, length)
+        step = runner.step
+
+        def stuck(ids, mask):
+            current = runner.current
+            out = step(ids, mask)
+            runner.current = current
+            return out
+
+        runner.step = stuck
+        return runner
+
+    rt.cache_runner = no_swap
+    assert not np.array_equal(engine_model.generate(prompts, max_new_tokens=12, stop_token_ids=[]), want)
+    rt.cache_runner = real
     live = len(cuda.mem)
     runner = rt.cache_runner(manifest.data["kv_cache"], 1, 8)
     ids = np.array([[5, 9, 17]])
