@@ -81,13 +81,13 @@ class AddKVCacheConcat(CachePass):
             ("kv_zero", np.array(0, np.int64)), ("kv_one", np.array(1, np.int64)),
             ("kv_axis0", np.array([0], np.int64)), ("kv_axis1", np.array([1], np.int64)),
             ("kv_axes12", np.array([1, 2], np.int64)), ("kv_end", np.array([np.iinfo(np.int64).max], np.int64)))}
-        t = {k: g.fresh(f"kv_{k}") for k in ("new_len", "new_len1", "total", "start", "start1", "kpos", "qpos", "k2",
+        t = {k: g.fresh(f"kv_{k}") for k in ("new_len", "new_len1", "total", "total1", "start", "kpos", "qpos", "k2",
                                              "q2", "causal", "self", "visible", "real", "real4", "mask")}
         new = [
             helper.make_node("Shape", [self.ids_input], [t["new_len1"]], start=1, end=2, name=g.fresh("KVNewLen")),
             helper.make_node("Squeeze", [t["new_len1"], c["kv_axis0"]], [t["new_len"]], name=g.fresh("KVNewLenS")),
-            helper.make_node("Shape", [self.mask_input], [t["total"] + "_1"], start=1, end=2, name=g.fresh("KVTotal1")),
-            helper.make_node("Squeeze", [t["total"] + "_1", c["kv_axis0"]], [t["total"]], name=g.fresh("KVTotal")),
+            helper.make_node("Shape", [self.mask_input], [t["total1"]], start=1, end=2, name=g.fresh("KVTotal1")),
+            helper.make_node("Squeeze", [t["total1"], c["kv_axis0"]], [t["total"]], name=g.fresh("KVTotal")),
             helper.make_node("Sub", [t["total"], t["new_len"]], [t["start"]], name=g.fresh("KVPast")),
             helper.make_node("Range", [c["kv_zero"], t["total"], c["kv_one"]], [t["kpos"]], name=g.fresh("KVKeys")),
             helper.make_node("Range", [t["start"], t["total"], c["kv_one"]], [t["qpos"]], name=g.fresh("KVQueries")),

@@ -63,6 +63,9 @@ class ReducePrecision(Pass):
         self.elem = REDUCED[dtype]
         self.retyped_io = retyped_io
 
+    def _retyped(self, name: str) -> bool:
+        return any(name.startswith(prefix) for prefix in self.retyped_io)
+
     def run(self, model: onnx.ModelProto) -> PassResult:
         types = value_types(model)
         g = Graph(model)
@@ -102,7 +105,7 @@ class ReducePrecision(Pass):
         entry = {}
         retyped = 0
         for inp in g.g.input:
-            if is_float(inp.name) and inp.name.startswith(self.retyped_io or ("\0",)):
+            if is_float(inp.name) and self._retyped(inp.name):
                 inp.type.tensor_type.elem_type = self.elem
                 retyped += 1
             elif is_float(inp.name):
@@ -111,7 +114,7 @@ class ReducePrecision(Pass):
                                                   name=g.fresh("ReduceIn")))
         renamed_out: dict[str, str] = {}
         for o in g.g.output:
-            if kind.get(o.name) == "act" and o.name.startswith(self.retyped_io or ("\0",)):
+            if kind.get(o.name) == "act" and self._retyped(o.name):
                 o.type.tensor_type.elem_type = self.elem
                 retyped += 1
             elif kind.get(o.name) == "act":
