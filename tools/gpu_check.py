@@ -44,27 +44,6 @@ def checkpoint(name: str) -> Path:
     return reference_models.checkpoint(name)
 
 
-class CudaEager:
-    """Eager PyTorch on the GPU through kiln's traced wrapper (the module verification compares against)."""
-
-    def __init__(self, ckpt: Any) -> None:
-        import torch
-
-        from kiln.compiler import trace
-
-        self.torch = torch
-        self.module = trace.graph_module(ckpt).to("cuda").eval()
-        inputs, outputs = trace.io_specs(ckpt)
-        self.input_names = [s.name for s in inputs]
-        self.output_names = [s.name for s in outputs]
-
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        args = [self.torch.from_numpy(feeds[n]).cuda() for n in self.input_names if n in feeds]
-        with self.torch.inference_mode():
-            outs = self.module(*args)
-        return {n: o.float().cpu().numpy() for n, o in zip(self.output_names, outs)}
-
-
 def greedy(model: kr.Model, ids: np.ndarray, steps: int) -> list[int]:
     """Greedy tokens through the backend's cache runner (TensorRT: the KV cache stays on the GPU between steps)."""
     return model.generate(ids, np.ones_like(ids), max_new_tokens=steps, stop_token_ids=[])[0, ids.shape[1]:].tolist()
@@ -105,7 +84,7 @@ def check(name: str, precision: str, out: Path, rows: list[dict[str, Any]], not_
     inputs = [s.name for s in trace.io_specs(ckpt)[0]]
     feeds = cases.text_cases(ckpt, inputs) + cases.random_cases(ckpt, inputs, 128, 0)
     with kr.load(artifact, backend="tensorrt") as engine:
-        report = verify(CudaEager(ckpt), engine, feeds, precision)
+        report = verify(trace.EagerRunner(ckpt, device="cuda"), engine, feeds, precision)
         row["parity"] = report["passed"]
         row["cosine_min"] = min(s["cosine_min"] for s in report["summary"].values() if s.get("cosine_min") is not None)
         ok = bool(report["passed"])

@@ -124,8 +124,10 @@ class EagerRunner:
     """The reference side of verification: the same wrapper, run by PyTorch (threads: the caller's
     ``scoped.torch_threads``)."""
 
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.module = graph_module(ckpt)
+    def __init__(self, ckpt: Checkpoint, device: str = "cpu") -> None:
+        """``device``: where PyTorch runs it ("cuda" for the GPU check); feeds go there and outputs come back."""
+        self.module = graph_module(ckpt).to(device)
+        self.device = device
         inputs, outputs = io_specs(ckpt)
         self.input_names = [s.name for s in inputs]
         self.output_names = [s.name for s in outputs]
@@ -142,7 +144,7 @@ class EagerRunner:
         return runner
 
     def run(self, feeds):
-        args = [torch.from_numpy(feeds[n]) for n in self.input_names if n in feeds]
+        args = [torch.from_numpy(feeds[n]).to(self.device) for n in self.input_names if n in feeds]
         with torch.inference_mode():
             outs = self.module(*args)
-        return {n: (o.double() if self.fp64 else o.float()).numpy() for n, o in zip(self.output_names, outs)}
+        return {n: (o.double() if self.fp64 else o.float()).cpu().numpy() for n, o in zip(self.output_names, outs)}

@@ -73,7 +73,7 @@ def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for e in entries:
         m = e["metrics"]
-        rows.append([e.get("name") or Path(e["artifact"]).name, str(e["model"].get("precision")),
+        rows.append([e["name"], str(e["model"].get("precision")),
                      size(e["size_bytes"]), f"{e['latency']['p50_ms']:.2f} ms", ratio(e["speedup_vs_first"]),
                      *[metric(k, m[k]) if k in m else "-" for k, _ in cols], verdict_cell(e)])
     return header, rows
@@ -87,7 +87,7 @@ def _about(result: dict[str, Any]) -> list[str]:
              f"{result['data']['tokens']} tokens, the reference run once for all artifacts)",
              f"latency: {lat.get('what', 'one forward pass')}, batch {lat['shape'][0]} x {lat['shape'][1]} tokens, "
              f"{lat.get('rounds', 1)} alternating rounds; "
-             f"speed-up against `{e0.get('name')}` (the first artifact), on {e0['measured_on']['backend']}",
+             f"speed-up against `{e0['name']}` (the first artifact), on {e0['measured_on']['backend']}",
              ("thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in th.items())) if th else
              "thresholds: none found (kiln.toml [gate], pyproject.toml [tool.kiln.gate] or --config): no verdicts"]
     return lines
@@ -131,7 +131,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
     for e in result["artifacts"]:
-        lines += ["", f"## {e.get('name')} ({e['model'].get('precision')})", "", f"`{e['artifact']}`", "",
+        lines += ["", f"## {e['name']} ({e['model'].get('precision')})", "", f"`{e['artifact']}`", "",
                   "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in _metric_rows(e)]
         lines += ["", "| output | max abs err | mean abs err | p99 abs err |", "|---|---|---|---|"]
@@ -181,7 +181,7 @@ def _png(fig: Any) -> str:
 
 
 def _names(result: dict[str, Any]) -> list[str]:
-    return [e.get("name") or Path(e["artifact"]).name for e in result["artifacts"]]
+    return [e["name"] for e in result["artifacts"]]
 
 
 def scatter(result: dict[str, Any]) -> tuple[str, str]:
@@ -278,7 +278,7 @@ def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
 
 def _details(e: dict[str, Any]) -> str:
     esc = html.escape
-    parts = [f"<h3>{esc(str(e.get('name')))} ({esc(str(e['model'].get('precision')))})</h3>",
+    parts = [f"<h3>{esc(e['name'])} ({esc(str(e['model'].get('precision')))})</h3>",
              f"<p><code>{esc(e['artifact'])}</code></p>",
              _table(["metric", "value"], [list(r) for r in _metric_rows(e)]),
              _table(["output", "max abs err", "mean abs err", "p99 abs err"],

@@ -203,10 +203,7 @@ def measure(path: Path, model: kr.Model, ref: Reference, rows: list[list[int]], 
     }
     if kind == "seq2seq":
         entry |= seq2seq_metrics(model, ref, rows, errors)
-        entry["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
-        entry["layers"] = layer_errors(path, model, ref, rows[:8], threads, graph="encoder")  # the encoder's layers
-        return entry
-    if kind == "decoder":
+    elif kind == "decoder":
         entry |= decoder_metrics(model, ref, rows, errors)
         rate = greedy_match_rate(model, ref, rows)
         if rate is not None:  # absent when the cache has no room for a continuation
@@ -214,7 +211,8 @@ def measure(path: Path, model: kr.Model, ref: Reference, rows: list[list[int]], 
     else:
         entry |= encoder_metrics(model, ref, rows, errors)
     entry["outputs"] = {name: metrics.error_stats(np.concatenate(v)) for name, v in errors.items()}
-    entry["layers"] = layer_errors(path, model, ref, rows[:8], threads)
+    # encoder-decoders: the encoder's layers
+    entry["layers"] = layer_errors(path, model, ref, rows[:8], threads, "encoder" if kind == "seq2seq" else "model")
     pruning = model.manifest.data.get("pruning")
     if pruning:  # against the original checkpoint, each layer's error is what pruning (and precision) cost there
         entry["pruning"] = prune.summary(pruning)  # the manifest's record; its cost is what compile measured
