@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="int4 GPTQ: calibration windows of 256 tokens")
     c.add_argument("--max-length", type=int, default=d.max_length,
                    help="decoders: KV-cache capacity, prompt + new tokens (default: the model's maximum)")
+    c.add_argument("--stream", action=argparse.BooleanOptionalAction, default=d.stream,
+                   help="read the checkpoint one tensor at a time: trace an empty model, stream weights to external "
+                        "data, verify against a layer-by-layer reference (default: when the FP32 weights exceed 1 GiB)")
     c.add_argument("--seed", type=int, default=d.seed)
     c.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -270,7 +273,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
         quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
         lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
-        prune=args.prune, prune_method=args.prune_method, prune_layers=args.prune_layers,
+        prune=args.prune, prune_method=args.prune_method, prune_layers=args.prune_layers, stream=args.stream,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -316,9 +319,13 @@ def parity_table(manifest: dict[str, Any]) -> str:
                      "measured (an emulation's speed is not the engine's: tools/gpu_check.py times engines)")
     gen = v.get("generation")
     if gen:
+        against = ("the reference's greedy choices (teacher-forced over the artifact's tokens, reference run layer by "
+                   "layer)" if gen.get("reference") else "Hugging Face generate")
         lines.append(f"  generation: {gen['steps']} greedy steps x batch {gen['batch']} through the cache, tokens identical "
-                     f"to Hugging Face generate: {gen['tokens_identical']} (step logits within "
+                     f"to {against}: {gen['tokens_identical']} (step logits within "
                      f"{gen['max_abs_over_atol']:.3g}x the tolerance)")
+    if v.get("reference"):
+        lines.append(f"  reference: {v['reference']}; latency against eager not measured (no eager model in memory)")
     lat = v.get("latency")
     if lat:
         b, t = lat["shape"]

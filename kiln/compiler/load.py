@@ -76,6 +76,15 @@ class Checkpoint:
     """What the quantized checkpoint declared (format, bits, group size, act-order, symmetry)."""
     pruning: dict[str, Any] | None = None
     """``--prune``: what was removed from ``model`` (kiln.compiler.prune), and its accuracy cost."""
+    weights: Any = None
+    """Streamed checkpoints (kiln.compiler.lazy.LazyWeights): ``model`` is then an empty shell on the meta device
+    and every tensor is read from here when needed."""
+    buffers: dict[str, Any] = field(default_factory=dict)
+    """Streamed checkpoints: the shell's computed buffers (rotary frequencies), which no checkpoint stores."""
+
+    @property
+    def streamed(self) -> bool:
+        return self.weights is not None
 
     @property
     def kind(self) -> str:
@@ -311,7 +320,32 @@ def load_model(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, A
     return model, info, attention
 
 
-def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
+def load_shell(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, Any], str, Any]:
+    """The empty shell of a streamed checkpoint: config, modules and computed buffers, no weights."""
+    import transformers
+
+    from kiln.compiler import lazy
+
+    weights = lazy.LazyWeights(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types for one bad config
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from e
+    attention = ATTENTION_QUIRKS.get(model_type, "sdpa")
+    try:
+        shell, buffers = lazy.build_shell(config, task, attention)
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        attention = "eager"
+        shell, buffers = lazy.build_shell(config, task, attention)
+    lazy.parameter_keys(shell, weights)  # every parameter has a tensor, or one line saying which do not
+    return shell, buffers, attention, weights
+
+
+def load_checkpoint(path: str | Path, task: str | None = None, stream: bool = False) -> Checkpoint:
+    """``stream``: build the model as an empty shell and read weights lazily (decoders from safetensors)."""
     path = Path(path)
     if gguf.is_gguf(path):
         scratch = tempfile.TemporaryDirectory(prefix="kiln-gguf-")
@@ -330,8 +364,13 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
         return ckpt
     kind, task, arch = resolve(path, raw, task)
     check_weights(path)
+    weights, buffers = None, {}
     with quiet_transformers():
-        model, info, attention = load_model(path, task, raw["model_type"])
+        if stream:
+            model, buffers, attention, weights = load_shell(path, task, raw["model_type"])
+            info: dict[str, Any] = {}
+        else:
+            model, info, attention = load_model(path, task, raw["model_type"])
         tokenizer, problem = load_tokenizer(path)
     missing = [k for k in info.get("missing_keys", []) if k]
     mismatched = info.get("mismatched_keys", [])
@@ -355,7 +394,7 @@ def load_checkpoint(path: str | Path, task: str | None = None) -> Checkpoint:
         path=path, config=cfg, family=family, model_type=raw["model_type"], architecture=arch or type(model).__name__,
         task=task, model=model, max_length=max_length(cfg, family), sha256=checkpoint_sha256(path),
         pooling=pooling, labels=labels, tokenizer_files=[n for n in TOKENIZER_FILES if (path / n).is_file()],
-        tokenizer=tokenizer, tokenizer_problem=problem,
+        tokenizer=tokenizer, tokenizer_problem=problem, weights=weights, buffers=buffers,
     )
 
 

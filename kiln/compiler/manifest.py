@@ -162,7 +162,10 @@ def verification(report: dict[str, Any], options: CompileOptions) -> dict[str, A
         out["pruning"] = report["pruning"]
     if "generation" in report:
         out["generation"] = {k: report["generation"][k] for k in
-                             ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties")}
+                             ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties", "reference")
+                             if k in report["generation"]}
+    if report.get("reference"):  # a streamed checkpoint: what the artifact was compared with, and how
+        out["reference"] = report["reference"]
     return out
 
 

@@ -17,6 +17,8 @@ QUANT_METHODS = ("gptq", "rtn")
 LM_HEADS = ("fp32", "int8", "int4")
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 TARGETS = ("cpu", "tensorrt")
+STREAM_ABOVE = 1 << 30
+"""``--stream`` auto: checkpoints whose FP32 weights exceed 1 GiB stream (the in-memory path peaks near 5x them)."""
 """cpu: ONNX Runtime's contrib-op graph; tensorrt: standard-op graph for TensorRT's parser (also runs on ONNX Runtime)."""
 
 
@@ -88,6 +90,11 @@ class CompileOptions:
     """Graphs whose weights exceed this many bytes (64 MiB) keep them in ``model.onnx.data``: ONNX Runtime maps that
     file instead of parsing the weights out of the protobuf and copying them (SmolLM2-135M FP32: peak RSS of a
     64 + 64 token generate 1103 MiB embedded, 686 MiB external, for 516 MiB of weights)."""
+
+    stream: bool | None = None
+    """Read the checkpoint one tensor at a time instead of loading the model (decoders from safetensors): the
+    graph is traced from an empty shell, weights stream into external data, and verification runs the reference one
+    layer at a time. None: stream when the FP32 weights exceed ``STREAM_ABOVE``."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

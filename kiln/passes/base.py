@@ -11,6 +11,7 @@ from typing import Any
 import onnx
 
 from kiln.errors import KilnError
+from kiln.passes import weights
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,16 @@ class Pass(abc.ABC):
 
 
 def _check(model: onnx.ModelProto) -> None:
+    store = weights.current()
+    if store is not None:  # external weights resolve against the file's directory: check from a file beside them
+        path = store.base_dir / "kiln-check.onnx"
+        onnx.save_model(model, str(path))
+        try:
+            onnx.checker.check_model(str(path))
+        finally:
+            path.unlink(missing_ok=True)
     # Graphs over 2 GB can only be checked from a path; the exporter already checked those.
-    if model.ByteSize() < (2 << 30) - (1 << 20):
+    elif model.ByteSize() < (2 << 30) - (1 << 20):
         onnx.checker.check_model(model)
 
 

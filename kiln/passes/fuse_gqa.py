@@ -263,9 +263,11 @@ class FuseGroupQueryAttention(Pass):
                 return int(shape[2])
             p = g.producer.get(p.input[0])
         if p is not None and p.op_type in ("Gemm", "MatMul"):
-            w = g.constant(p.input[1])
-            if w is not None and w.ndim == 2:
-                return int(w.shape[0] if attr(p, "transB", 0) else w.shape[1])
+            dims = g.shape_of_constant(p.input[1])  # an initializer's shape, without reading its data
+            if dims is None and (w := g.constant(p.input[1])) is not None:
+                dims = w.shape
+            if dims is not None and len(dims) == 2:
+                return int(dims[0] if attr(p, "transB", 0) else dims[1])
         return None
 
     # --- shared inputs, built once per graph -------------------------------------------------

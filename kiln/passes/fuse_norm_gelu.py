@@ -76,7 +76,7 @@ class FuseSkipLayerNorm(Pass):
         if any(o for o in ln.output[1:]):
             raise NoMatch("mean/inv-std outputs are used")
         a, b = add.input
-        if g.constant(a) is not None or g.constant(b) is not None:
+        if g.is_constant(a) or g.is_constant(b):
             raise NoMatch("Add has a constant operand (a bias, not a residual)")
         sa, sb = _shape(g, a), _shape(g, b)
         if sa is None or sa != sb or len(sa) != 3:

@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kiln.passes import weights
+
 MS_DOMAIN = "com.microsoft"
 
 
@@ -64,13 +66,26 @@ class Graph:
         return users[0]
 
     def constant(self, name: str) -> np.ndarray | None:
-        """The value of an initializer or Constant node output, else None."""
+        """The value of an initializer or Constant node output, else None. An initializer in external data is
+        read from disk on each call (``kiln.passes.weights``): ask ``is_constant`` when the value is not needed."""
         if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name])
+            return weights.read(self.initializers[name])
         p = self.producer.get(name)
         if p is not None and p.op_type == "Constant" and p.attribute and p.attribute[0].name == "value":
             return numpy_helper.to_array(p.attribute[0].t)
         return None
+
+    def is_constant(self, name: str) -> bool:
+        """Whether ``constant(name)`` would return a value, without reading it."""
+        if name in self.initializers:
+            return True
+        p = self.producer.get(name)
+        return p is not None and p.op_type == "Constant" and bool(p.attribute) and p.attribute[0].name == "value"
+
+    def shape_of_constant(self, name: str) -> tuple[int, ...] | None:
+        """An initializer's shape without reading its data (None for anything else)."""
+        t = self.initializers.get(name)
+        return tuple(int(d) for d in t.dims) if t is not None else None
 
     def ancestors_inputs(self, value: str) -> set[str]:
         """Graph inputs that ``value`` depends on."""
@@ -97,7 +112,7 @@ class Graph:
 
     def add_initializer(self, base: str, array: np.ndarray) -> str:
         name = self.fresh(base)
-        self.g.initializer.append(numpy_helper.from_array(array, name))
+        self.g.initializer.append(weights.maybe_spill(numpy_helper.from_array(array, name)))
         self.initializers[name] = self.g.initializer[-1]
         return name
 

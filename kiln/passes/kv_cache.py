@@ -97,7 +97,7 @@ class AddKVCache(CachePass):
         for handle in g.nodes_of("Gather"):
             node = g.node(handle)
             idx = node.input[1]
-            if g.constant(node.input[0]) is None or g.ancestors_inputs(idx) != {self.mask_input}:
+            if not g.is_constant(node.input[0]) or g.ancestors_inputs(idx) != {self.mask_input}:
                 continue
             c = {k: g.add_initializer(k, v) for k, v in (("pos_axis", np.array([1], np.int64)),
                                                           ("pos_end", np.array([np.iinfo(np.int64).max], np.int64)))}

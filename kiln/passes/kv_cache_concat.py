@@ -67,7 +67,7 @@ class AddKVCacheConcat(CachePass):
         types = value_types(model)
         rope_casts = [n for n in g.g.node if n.op_type == "Cast" and attr(n, "to") in FLOATS
                       and types.get(n.input[0]) not in FLOATS and g.ancestors_inputs(n.input[0]) == {self.mask_input}]
-        lookups = [n for n in g.g.node if n.op_type == "Gather" and g.constant(n.input[0]) is not None
+        lookups = [n for n in g.g.node if n.op_type == "Gather" and g.is_constant(n.input[0])
                    and g.ancestors_inputs(n.input[1]) == {self.mask_input}]
         targets = [(n, 0) for n in rope_casts] + [(n, 1) for n in lookups]
         axes = self._sequence_axes(model, [n.input[i] for n, i in targets])

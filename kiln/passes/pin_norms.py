@@ -70,7 +70,7 @@ class PinNormsFP32(Pass):
             elif node.op_type in _STATISTICS and dtype in _REDUCED:
                 plan[idx] = "statistic"
             elif node.op_type in _FOLLOWERS:
-                dynamic = [v for v in node.input if v and g.constant(v) is None]
+                dynamic = [v for v in node.input if v and not g.is_constant(v)]
                 if dynamic and all(v in fp32_ok for v in dynamic) and types.get(node.output[0]) in _REDUCED:
                     plan[idx] = "statistic"
             elif node.op_type == "Attention" and dtype in _REDUCED and attr(node, "softmax_precision") != TensorProto.FLOAT:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from kiln.passes.weights import maybe_spill
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
 from kiln.passes.quantize_int8 import matmul_weight, quantizable_matrix
@@ -278,12 +279,14 @@ class QuantizeBlockwise(Pass):
                 stats["head"] = f"int{q.bits}"
             if self.form == "dequantize" and q.zeros is not None:
                 raise ValueError(f"{where}: the DequantizeLinear form takes symmetric codes only")
-            plans.append((mm, w, q))
+            # only the packed tensors are kept (spilled to disk when a weight store is open), never the FP32 weight
+            plans.append((mm, self._prepare(g, mm, q)))
+            del w, q
         embeds = []
         if self.embedding_bits and self.form == "matmulnbits":
             embeds = [(node, g.constant(node.input[0])) for node in tables.values()]
-        for mm, w, q in plans:
-            g.replace_nodes([mm], self._lower(g, mm, q, stats))
+        for mm, prepared in plans:
+            g.replace_nodes([mm], self._lower(g, mm, prepared, stats))
             stats["quantized"] += 1
         for node, table in embeds:
             q = rtn(table.T, self.embedding_bits, self.head_block_size, "signed")
@@ -310,32 +313,58 @@ class QuantizeBlockwise(Pass):
                 out[node.input[0]] = node
         return out
 
-    def _lower(self, g: Graph, mm: onnx.NodeProto, q: Quantized, stats: dict) -> list[onnx.NodeProto]:
+    def _prepare(self, g: Graph, mm: onnx.NodeProto, q: Quantized) -> Prepared:
+        """The initializers one MatMul's lowering needs, made (and spilled) now; the graph is not touched."""
         base = mm.input[1]
-        n = q.codes.shape[0]
-        x = mm.input[0]
-        nodes = []
-        if q.perm is not None:  # act-order: the kernel reads the inputs in the solver's column order
-            perm = g.add_initializer(f"{base}_perm", q.perm.astype(np.int64))
-            x = g.fresh(f"{base}_reordered")
-            nodes.append(helper.make_node("Gather", [mm.input[0], perm], [x], name=g.fresh("Gather"), axis=-1))
-            stats["act_order_gathers"] += 1
+
+        def tensor(suffix: str, array: np.ndarray) -> onnx.TensorProto:
+            return maybe_spill(numpy_helper.from_array(array, g.fresh(f"{base}_{suffix}")))
+
+        perm = tensor("perm", q.perm.astype(np.int64)) if q.perm is not None else None
         if self.form == "dequantize":
             # (K, N) signed int values along K in blocks: DequantizeLinear(axis 0, block_size), then the MatMul
-            vals = (q.codes.astype(np.int16) - (1 << (q.bits - 1))).reshape(n, -1)[:, :q.k].T
-            name = g.fresh(f"{base}_int{q.bits}")
-            g.g.initializer.append(int_tensor(name, vals.astype(np.int8), q.bits))
-            scales = g.add_initializer(f"{base}_scales", np.ascontiguousarray(q.scales.T))
-            deq = g.fresh(f"{base}_dequantized")
-            nodes += [helper.make_node("DequantizeLinear", [name, scales], [deq], name=g.fresh("DequantizeLinear"),
-                                       axis=0, block_size=q.block_size),
+            vals = (q.codes.astype(np.int16) - (1 << (q.bits - 1))).reshape(q.codes.shape[0], -1)[:, :q.k].T
+            codes = maybe_spill(int_tensor(g.fresh(f"{base}_int{q.bits}"), vals.astype(np.int8), q.bits))
+            scales = tensor("scales", np.ascontiguousarray(q.scales.T))
+            zeros = None
+        else:
+            codes = tensor(f"q{q.bits}", pack(q.codes, q.bits))
+            scales = tensor("scales", q.scales)
+            zeros = tensor("zero_points", pack_zeros(q.zeros, q.bits)) if q.zeros is not None else None
+        return Prepared(codes, scales, zeros, perm, q.bits, q.block_size, int(q.k), int(q.codes.shape[0]))
+
+    def _lower(self, g: Graph, mm: onnx.NodeProto, p: Prepared, stats: dict) -> list[onnx.NodeProto]:
+        for t in (p.codes, p.scales, p.zeros, p.perm):
+            if t is not None:
+                g.g.initializer.append(t)
+        x = mm.input[0]
+        nodes = []
+        if p.perm is not None:  # act-order: the kernel reads the inputs in the solver's column order
+            x = g.fresh(f"{mm.input[1]}_reordered")
+            nodes.append(helper.make_node("Gather", [mm.input[0], p.perm.name], [x], name=g.fresh("Gather"), axis=-1))
+            stats["act_order_gathers"] += 1
+        if self.form == "dequantize":
+            deq = g.fresh(f"{mm.input[1]}_dequantized")
+            nodes += [helper.make_node("DequantizeLinear", [p.codes.name, p.scales.name], [deq],
+                                       name=g.fresh("DequantizeLinear"), axis=0, block_size=p.block_size),
                       helper.make_node("MatMul", [x, deq], [mm.output[0]], name=mm.name or g.fresh("MatMul"))]
             return nodes
-        inputs = [x, g.add_initializer(f"{base}_q{q.bits}", pack(q.codes, q.bits)),
-                  g.add_initializer(f"{base}_scales", q.scales)]
-        if q.zeros is not None:
-            inputs.append(g.add_initializer(f"{base}_zero_points", pack_zeros(q.zeros, q.bits)))
+        inputs = [x, p.codes.name, p.scales.name] + ([p.zeros.name] if p.zeros is not None else [])
         nodes.append(helper.make_node("MatMulNBits", inputs, [mm.output[0]], name=g.fresh("MatMulNBits"),
-                                      domain=MS_DOMAIN, K=int(q.k), N=int(n), bits=q.bits, block_size=q.block_size,
+                                      domain=MS_DOMAIN, K=p.k, N=p.n, bits=p.bits, block_size=p.block_size,
                                       accuracy_level=self.accuracy_level))
         return nodes
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One weight's lowered initializers, made before the graph changes (``QuantizeBlockwise._prepare``)."""
+
+    codes: onnx.TensorProto
+    scales: onnx.TensorProto
+    zeros: onnx.TensorProto | None
+    perm: onnx.TensorProto | None
+    bits: int
+    block_size: int
+    k: int
+    n: int

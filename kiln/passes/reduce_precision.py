@@ -82,7 +82,7 @@ class ReducePrecision(Pass):
         kind: dict[str, str] = {i.name: "act" for i in g.g.input if is_float(i.name)}
         compute: dict[int, str] = {}
         for idx, node in enumerate(g.g.node):
-            dynamic = [v for v in node.input if v and is_float(v) and g.constant(v) is None]
+            dynamic = [v for v in node.input if v and is_float(v) and not g.is_constant(v)]
             if node.op_type == "Constant":
                 c = "const"
             elif node.op_type == "Cast" and not is_float(node.input[0]):

@@ -82,7 +82,7 @@ class SmoothQuant(Pass):
             act = node.input[0]  # GPT-2 flattens (B, S, C) to (B*S, C) before its Gemm: channels stay last
             node = g.node(act)
         if node is not None and node.op_type == "Add" and node.output[0] == act:
-            bias = next((i for i in node.input if g.constant(i) is not None), None)
+            bias = next((i for i in node.input if g.is_constant(i)), None)
             other = next((i for i in node.input if i != bias), None)
             norm = g.node(other) if other else None
             if bias is None or norm is None or norm.op_type not in NORMS or norm.output[0] != other \
@@ -93,7 +93,7 @@ class SmoothQuant(Pass):
             return False
         params = [node.input[i] for i in NORMS[node.op_type] if i < len(node.input)]
         params = [p for p in params if p]
-        if not params or any(g.constant(p) is None for p in params):
+        if not params or not all(g.is_constant(p) for p in params):
             return False
         for name in scaled + params:
             value = g.constant(name)

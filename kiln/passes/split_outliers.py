@@ -68,7 +68,7 @@ class SplitOutlierChannels(Pass):
                 main[idx] = 0.0
                 mm.input[0], mm.input[1] = kept, g.add_initializer(f"{weight}_inliers", main)
                 tail = g.only_consumer(mm.output[0], "Add")
-                if tail is None or not any(g.constant(i) is not None for i in tail.input):
+                if tail is None or not any(g.is_constant(i) for i in tail.input):
                     tail = mm  # no bias Add to keep next to the MatMul
                 out = tail.output[0]
                 tail.output[0] = g.fresh(f"{out}_inliers")

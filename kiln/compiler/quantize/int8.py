@@ -224,6 +224,43 @@ class Driver:
         self._fake = None
         return model
 
+    def codes_transform(self) -> Callable[[str, Any], Any]:
+        """``fake_quantized`` for a streamed checkpoint, one tensor at a time: (the shell's parameter name, FP32
+        value) -> what the artifact's codes dequantize to (round-to-nearest on the pass's grids: the blocks' Linears,
+        the head and the embedding table as ``fake_quantized`` treats them; anything else unchanged)."""
+        import torch
+
+        from kiln.compiler import lazy
+        from kiln.passes.quantize_nbits import rtn
+
+        rules = build_pass("quantize-nbits", self.facts, self.options)
+        shell = self.ckpt.model
+        _, stack = lazy.layer_stack(shell)
+        linears = {f"{n}.weight" for n, m in shell.named_modules() if n.startswith(stack + ".") and gptq.is_linear(m)}
+        conv = {f"{n}.weight" for n, m in shell.named_modules()
+                if f"{n}.weight" in linears and not isinstance(m, torch.nn.Linear)}
+        out_emb = shell.get_output_embeddings() if hasattr(shell, "get_output_embeddings") else None
+        params = [n for n, _ in shell.named_parameters(remove_duplicate=False) if n.endswith(".weight")]
+        heads = {n for n in params if out_emb is not None and shell.get_submodule(n[:-7]) is out_emb}
+        tables = {n for n in params if shell.get_submodule(n[:-7]) is shell.get_input_embeddings()}
+
+        def transform(name: str, value: Any) -> Any:
+            if name in linears:
+                w_kn = value.numpy() if name in conv else value.numpy().T
+                deq = rtn(w_kn, rules.bits, rules.block_size, rules.grid).dequantize()
+                return torch.from_numpy(deq if name in conv else np.ascontiguousarray(deq.T))
+            if name in heads:
+                if not rules.head_bits:
+                    return value
+                deq = rtn(value.numpy().T, rules.head_bits, rules.head_block_size, rules.grid).dequantize()
+                return torch.from_numpy(np.ascontiguousarray(deq.T))
+            if name in tables and rules.embedding_bits and rules.form == "matmulnbits":
+                deq = rtn(value.numpy().T, rules.embedding_bits, rules.head_block_size, "signed").dequantize()
+                return torch.from_numpy(np.ascontiguousarray(deq.T))
+            return value
+
+        return transform
+
     def _decoder_windows(self, texts: list[str], window: int) -> tuple[list[dict], int]:
         """Decoders: the texts run together (separated by eos) and cut into windows of ``window`` tokens."""
         import torch

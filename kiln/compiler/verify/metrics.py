@@ -43,6 +43,14 @@ def top1(ref: np.ndarray, got: np.ndarray, atol: float) -> dict[str, float | int
             "decisive": int(decisive.sum()), "ties_excluded": int((~decisive).sum())}
 
 
+def top1_counts(ref: np.ndarray, got: np.ndarray, atol: float) -> dict[str, int]:
+    """``top1``'s counts, to be summed over chunks of rows: decisive rows, agreeing decisive rows, agreeing rows."""
+    top = np.partition(ref, (-2, -1), axis=-1)[:, -2:] if ref.shape[-1] > 1 else np.sort(ref, axis=-1)
+    decisive = (top[:, -1] - top[:, -2]) > atol
+    agree = ref.argmax(-1) == got.argmax(-1)
+    return {"decisive": int(decisive.sum()), "agree_decisive": int((agree & decisive).sum()), "agree": int(agree.sum())}
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max(-1, keepdims=True)

@@ -1,0 +1,219 @@
+"""A checkpoint read one tensor at a time, and the model as an empty shell that holds none of them.
+
+Large decoders never exist whole in memory: safetensors shards are memory-mapped, a tensor is read (and
+upcast to FP32) only when a graph writer, a quantizer or the layer-by-layer reference asks for it, and
+the PyTorch module tree that torch.onnx traces and the reference runs is built on the meta device
+(``build_shell``), its parameters filled one layer at a time (``fill`` / ``empty``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, Any] = {}
+"""safetensors dtype name -> torch dtype, filled on first use (torch is imported lazily)."""
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class Entry:
+    file: Path
+    dtype: str  # safetensors dtype name: F16, BF16, F32, ...
+    shape: tuple[int, ...]
+    start: int = 0
+    """Byte offset of the tensor's data in the file (header included)."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * SAFETENSORS_DTYPES.get(self.dtype, 4)
+
+    @property
+    def fp32_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * 4
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of one safetensors file and where its data starts (the loader already checked offsets
+    against the file size)."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return json.loads(fh.read(n)), 8 + n
+
+
+class LazyWeights:
+    """Every tensor of a safetensors checkpoint by name, read on demand as FP32 numpy.
+
+    ``live_bytes`` / ``peak_bytes`` count the FP32 arrays handed out and not yet released (callers release what
+    they are done with): the streaming test asserts on them, the compile's progress line reports them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, Entry] = {}
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a valid shard index ({e}); restore it from the original "
+                                      "checkpoint") from e
+            files = sorted(set(weight_map.values()))
+        elif (path / "model.safetensors").is_file():
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            raise CheckpointError(f"checkpoint {path} has no safetensors weights; kiln streams large checkpoints from "
+                                  "safetensors only: re-save it with save_pretrained(safe_serialization=True)")
+        for name in files:
+            shard = path / name
+            if not shard.is_file():
+                raise CheckpointError(f"checkpoint {path} lacks shard {name} named in its index; copy the missing file")
+            header, base = read_header(shard)
+            for key, info in header.items():
+                if key != "__metadata__":
+                    self.entries[key] = Entry(shard, info["dtype"], tuple(int(d) for d in info["shape"]),
+                                              base + int(info["data_offsets"][0]))
+        if weight_map is not None:
+            for key, shard_name in weight_map.items():
+                entry = self.entries.get(key)
+                if entry is None or entry.file.name != shard_name:
+                    raise CheckpointError(f"{index.name} of {path} names tensor {key} in {shard_name}, which does not "
+                                          "hold it; restore the index or the shard from the original checkpoint")
+        self._lock = threading.Lock()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.reads = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def fp32_bytes(self) -> int:
+        return sum(e.fp32_bytes for e in self.entries.values())
+
+    def torch(self, key: str) -> Any:
+        """One tensor as a float32 torch tensor (counted as live until ``release``).
+
+        Read with plain file reads, not safetensors' memory map: mapped pages of the checkpoint would count in
+        the process's resident memory until the map closes (2.2 GB for a 1.1B FP16 checkpoint)."""
+        import torch
+
+        if not TORCH_DTYPES:
+            TORCH_DTYPES.update(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16,
+                                I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8,
+                                BOOL=torch.bool)
+        entry = self.entries.get(key)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; it is incomplete or of another "
+                                  "architecture than its config.json says")
+        buf = bytearray(entry.nbytes)
+        with open(entry.file, "rb") as fh:
+            fh.seek(entry.start)
+            got = fh.readinto(buf)
+        if got != entry.nbytes:
+            raise CheckpointError(f"weights file {entry.file} ends inside tensor {key}; re-download or re-save the "
+                                  "checkpoint")
+        t = torch.frombuffer(buf, dtype=TORCH_DTYPES[entry.dtype]).reshape(entry.shape) if buf else \
+            torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
+        t = t.to(torch.float32) if t.is_floating_point() else t
+        self._count(t.numel() * t.element_size())
+        return t
+
+    def numpy(self, key: str) -> np.ndarray:
+        return self.torch(key).numpy()
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.reads += 1
+            self.live_bytes += n
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.live_bytes = max(0, self.live_bytes - nbytes)
+
+
+
+def fp32_weight_bytes(path: Path) -> int | None:
+    """FP32 size of a safetensors checkpoint's tensors from the headers alone (None: not safetensors)."""
+    try:
+        return LazyWeights(path).fp32_bytes()
+    except CheckpointError:
+        return None
+
+
+# --- the empty shell ---------------------------------------------------------------------------------------
+
+
+def build_shell(config: Any, task: str, attention: str) -> tuple[Any, dict[str, Any]]:
+    """The model with every parameter on the meta device and its computed buffers (rotary frequencies) real.
+
+    Returns the shell and those buffers by name: the export turns the shell into a graph without weights, and the
+    buffers become the graph's only computed constants."""
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    auto = {"feature-extraction": transformers.AutoModel, "causal-lm": transformers.AutoModelForCausalLM}[task]
+    with init_empty_weights(include_buffers=False):
+        shell = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    shell.eval()
+    shell.tie_weights()  # what from_pretrained does after loading: tied parameters become one object again
+    buffers = {n: b.detach().clone() for n, b in shell.named_buffers()}
+    return shell, buffers
+
+
+def parameter_keys(shell: Any, weights: LazyWeights) -> dict[str, str]:
+    """Module parameter name -> checkpoint tensor name; tied parameters read the tensor they are tied to."""
+    keys: dict[str, str] = {}
+    by_id: dict[int, str] = {}
+    for name, p in shell.named_parameters(remove_duplicate=False):
+        if name in weights:
+            by_id.setdefault(id(p), name)
+    missing = []
+    for name, p in shell.named_parameters(remove_duplicate=False):
+        if name in weights:
+            keys[name] = name
+        elif id(p) in by_id:
+            keys[name] = by_id[id(p)]
+        else:
+            missing.append(name)
+    if missing:
+        raise CheckpointError(f"checkpoint {weights.path} lacks {len(missing)} weight(s) its config implies "
+                              f"({', '.join(missing[:3])}); it would run with random weights: pass a complete checkpoint")
+    return keys
+
+
+def layer_stack(shell: Any) -> tuple[Any, str]:
+    """The decoder's ModuleList of layers and its name (the longest ModuleList of the config's layer count)."""
+    import torch
+
+    count = int(getattr(shell.config, "num_hidden_layers", 0) or 0)
+    for name, module in shell.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count and count:
+            return module, name
+    raise CheckpointError(f"{type(shell).__name__} has no list of {count} layers kiln can stream one at a time")
+
+
+def to_meta(module: Any) -> None:
+    """Every parameter of ``module`` replaced by a meta tensor of its shape (tied ones stay one object); buffers
+    are left as they are. Frees what ``fill`` gave it, whatever device or fake mode it held."""
+    import torch
+
+    made: dict[int, Any] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device="meta"),
+                                                     requires_grad=False)
+                sub._parameters[name] = made[id(p)]
