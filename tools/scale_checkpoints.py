@@ -1,12 +1,17 @@
 """Random-init decoder checkpoints in real shapes, written tensor by tensor (FP16 safetensors shards with an
 index), cached outside the repository. They prove memory and speed, not accuracy.
 
-    python tools/scale_checkpoints.py 1.1b|8b|tiny [--cache DIR]
+    python tools/scale_checkpoints.py 1.1b|8b|tiny|tiny-tied [--cache DIR]
 
 Shapes: ``1.1b`` is TinyLlama-1.1B's (hidden 2048, 22 layers, 32 query / 4 KV heads, FFN 5632, vocabulary 49152,
 2.3 GB); ``8b`` is Llama-3.1-8B's (hidden 4096, 32 layers, 32 / 8 heads, FFN 14336, vocabulary 128256, 16 GB).
-Weights are N(0, 0.02) like transformers' initialisation, norms 1, so logits are close to uniform: the numbers
-they give are sizes, memory and time. Writing never holds more than one tensor.
+Weights are random, norms 1, so logits are close to uniform: the numbers they give are sizes, memory and time,
+not accuracy (that is measured on SmolLM2). Each weight is drawn on the 4-bit grid of groups of 32 along its input
+dimension (codes uniform in 0..15, one code 0 per group, the group's scale a power of two in 2^-10..2^-8; values
+(code - 8) * scale, std about 0.01, exact in FP16), so round-to-nearest INT4 reproduces them and an INT4 compile
+verifies against FP32 within INT4's floor. With N(0, 0.02) weights the 1.1B INT4 artifact matches its codes to
+5.6e-5 but misses the FP32 floor on random ids (top-1 25.5% over 94 decisive positions): an untrained network has no
+logit margins for 4 bits to keep. Writing never holds more than a slice of one tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import numpy as np
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=160, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False),
+    "tiny-tied": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=160, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True),
     "1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                  intermediate_size=5632, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False),
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -53,6 +60,18 @@ def tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+GROUP = 32
+
+
+def grid_weights(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols) FP16 weights on the 4-bit grid of ``GROUP`` inputs (see the module docstring)."""
+    groups = cols // GROUP
+    codes = rng.integers(0, 16, (rows, groups, GROUP), dtype=np.int8)
+    np.put_along_axis(codes, rng.integers(0, GROUP, (rows, groups, 1)), 0, axis=-1)  # the group's extreme: code 0
+    scale = np.ldexp(np.float32(1), -rng.integers(8, 11, (rows, groups, 1)))
+    return ((codes.astype(np.float32) - 8) * scale).reshape(rows, cols).astype(np.float16)
+
+
 def write_shard(path: Path, names: list[tuple[str, tuple[int, ...]]], rng: np.random.Generator) -> None:
     """One safetensors file written tensor by tensor: header first, then each tensor's bytes as it is made."""
     header, offset = {}, 0
@@ -70,7 +89,10 @@ def write_shard(path: Path, names: list[tuple[str, tuple[int, ...]]], rng: np.ra
             if name.endswith("norm.weight"):
                 fh.write(np.ones(shape, np.float16).tobytes())
             else:
-                fh.write((rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16).tobytes())
+                rows, cols = shape
+                step = max(1, (1 << 22) // cols)
+                for lo in range(0, rows, step):
+                    fh.write(grid_weights(rng, min(step, rows - lo), cols).tobytes())
     tmp.replace(path)
 
 

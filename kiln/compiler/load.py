@@ -327,6 +327,7 @@ def load_shell(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, A
     from kiln.compiler import lazy
 
     weights = lazy.LazyWeights(path)
+    lazy.return_freed_memory()
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for one bad config

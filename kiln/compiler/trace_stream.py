@@ -34,8 +34,7 @@ def _lazy(weights: LazyWeights, key: str, shape: tuple[int, ...], transpose: boo
     import onnx_ir as ir
 
     def load() -> Any:
-        array = weights.numpy(key)
-        weights.release(array.nbytes)  # handed to the writer, which drops it once written
+        array = weights.numpy(key)  # the writer drops it once written
         return ir.tensor(np.ascontiguousarray(array.T) if transpose else array)
 
     return ir.LazyTensor(load, dtype=ir.DataType.FLOAT, shape=ir.Shape(shape[::-1] if transpose else shape))

@@ -52,15 +52,22 @@ class Quantized:
     perm: np.ndarray | None = None  # int64 (K,): act-order column order
 
     def dequantize(self) -> np.ndarray:
-        """The (K, N) float32 weights the kernel multiplies by, in the graph's input order."""
+        """The (K, N) float32 weights the kernel multiplies by, in the graph's input order (computed over slices of
+        output columns, so the temporaries stay small)."""
         n = self.codes.shape[0]
-        zero = np.float32(1 << (self.bits - 1)) if self.zeros is None else self.zeros.astype(np.float32)[..., None]
-        w = ((self.codes.astype(np.float32) - zero) * self.scales[..., None]).reshape(n, -1)[:, :self.k]
-        if self.perm is not None:
-            out = np.empty_like(w)
-            out[:, self.perm] = w
-            w = out
-        return np.ascontiguousarray(w.T)
+        out = np.empty((self.k, n), np.float32)
+        step = max(1, (1 << 22) // max(1, self.k))
+        for lo in range(0, n, step):
+            codes = self.codes[lo:lo + step]
+            zero = np.float32(1 << (self.bits - 1)) if self.zeros is None else \
+                self.zeros[lo:lo + step].astype(np.float32)[..., None]
+            w = ((codes.astype(np.float32) - zero) * self.scales[lo:lo + step, :, None]).reshape(len(codes), -1)[:, :self.k]
+            if self.perm is not None:
+                ordered = np.empty_like(w)
+                ordered[:, self.perm] = w
+                w = ordered
+            out[:, lo:lo + step] = w.T
+        return out
 
 
 def weight_key(w_kn: np.ndarray) -> str:
@@ -108,9 +115,25 @@ class Codebook:
                          first.bits, first.block_size, first.k, first.perm)
 
 
+CHUNK = 1 << 22
+"""Weights are rounded and dequantized in slices of about this many values (output columns are independent):
+the float64 temporaries of a whole 128k x 4096 embedding table would take tens of gigabytes."""
+
+
 def rtn(w: np.ndarray, bits: int, block_size: int, grid: str = "signed") -> Quantized:
     """Round-to-nearest of a (K, N) weight on ``grid``; K zero-padded to whole blocks (block 0: one per row,
-    padded to a power of two)."""
+    padded to a power of two). Computed over slices of output columns, so its temporaries stay small."""
+    k, n = w.shape
+    step = max(1, CHUNK // max(1, k))
+    if n <= step:
+        return _rtn(w, bits, block_size, grid)
+    parts = [_rtn(w[:, lo:lo + step], bits, block_size, grid) for lo in range(0, n, step)]
+    zeros = np.concatenate([p.zeros for p in parts]) if parts[0].zeros is not None else None
+    return Quantized(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]), zeros,
+                     bits, parts[0].block_size, k)
+
+
+def _rtn(w: np.ndarray, bits: int, block_size: int, grid: str) -> Quantized:
     k, n = w.shape
     block_size = block_size or 1 << max(4, (k - 1).bit_length())
     blocks = -(-k // block_size)

@@ -21,8 +21,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-SPILL_ABOVE = 1 << 16
-"""Tensors a pass creates of at least this many bytes go to the spill file (64 KiB: shapes and scalars stay inline)."""
+SPILL_ABOVE = 1024
+"""Tensors a pass creates of at least this many bytes go to the spill file (the threshold the final graph keeps
+inline below): shapes, scalars and small tables stay in the protobuf, nothing weight-sized does."""
 
 _ACTIVE: contextvars.ContextVar[WeightStore | None] = contextvars.ContextVar("kiln_weight_store", default=None)
 
@@ -52,19 +53,24 @@ class WeightStore:
         info = _external(t)
         path = self.base_dir / info["location"]
         offset, length = int(info.get("offset", 0)), int(info["length"])
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            raw = fh.read(length)
         self.read_bytes += length
         if t.data_type in (TensorProto.INT4, TensorProto.UINT4):  # packed: let onnx unpack a copy
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                raw = fh.read(length)
             inline = TensorProto()
             inline.CopyFrom(t)
             del inline.external_data[:]
             inline.data_location = TensorProto.DEFAULT
             inline.raw_data = raw
             return numpy_helper.to_array(inline)
-        return np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims)).copy()
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+        out = np.empty(length // dtype.itemsize, dtype)
+        with open(path, "rb") as fh:  # straight into the array: no second copy of a large weight
+            fh.seek(offset)
+            if fh.readinto(memoryview(out).cast("B")) != length:
+                raise OSError(f"{path} ends before tensor {t.name}'s {length} bytes")
+        return out.reshape(tuple(t.dims))
 
     def spill(self, t: TensorProto) -> TensorProto:
         """Move ``t``'s bytes to the end of the spill file; ``t`` becomes a reference to them (returned)."""

@@ -86,27 +86,41 @@ class LayerStream:
         self.output_names = [s.name for s in trace.io_specs(ckpt)[1]]
 
     # --- weights in and out -----------------------------------------------------------------------
-    def _fill(self, root: nn.Module, prefix: str, names: list[str]) -> int:
+    def _fill(self, root: nn.Module, prefix: str, names: list[str]) -> None:
         """``root``'s parameters (by name relative to it; ``prefix`` makes them the shell's names) from the
-        checkpoint, tied ones sharing one tensor; returns the bytes made live."""
+        checkpoint, tied ones sharing one tensor."""
         done: dict[str, nn.Parameter] = {}  # one Parameter per tensor: tied parameters stay one object
-        total = 0
         for name in names:
             key = self.keys[prefix + name]
             share = key if self.transform is None else prefix + name
             if share not in done:
                 value = self.weights.torch(key)
-                total += value.numel() * value.element_size()
                 value = self.transform(prefix + name, value) if self.transform else value
                 done[share] = nn.Parameter(value, requires_grad=False)
             owner, _, leaf = name.rpartition(".")
             module = root.get_submodule(owner) if owner else root
             module._parameters[leaf] = done[share]
-        return total
 
-    def _outer(self) -> list[str]:
+    def _outer(self, part: str) -> list[str]:
+        """Parameters outside the layer stack: ``"in"`` those the forward reaches before the first layer (the input
+        embeddings), ``"out"`` the rest (final norm, head). A tied head is both."""
         prefix = self.stack + "."
-        return [n for n, _ in self.shell.named_parameters(remove_duplicate=False) if not n.startswith(prefix)]
+        first = {id(p) for p in self.shell.get_input_embeddings().parameters()}
+        head = self.shell.get_output_embeddings() if hasattr(self.shell, "get_output_embeddings") else None
+        last = {id(p) for p in head.parameters()} if head is not None else set()
+        return [n for n, p in self.shell.named_parameters(remove_duplicate=False) if not n.startswith(prefix) and
+                (id(p) in first if part == "in" else id(p) not in first or id(p) in last)]
+
+    def _placeholder_embeddings(self) -> None:
+        """The final pass replays each input's last hidden states, so the input embeddings it still looks up are
+        never used: an untied table becomes a zero row broadcast to its shape (no memory) instead of being read."""
+        for name, p in self.shell.get_input_embeddings().named_parameters():
+            if p.is_meta:
+                owner, _, leaf = name.rpartition(".")
+                module = self.shell.get_input_embeddings()
+                module = module.get_submodule(owner) if owner else module
+                module._parameters[leaf] = nn.Parameter(torch.zeros(1, *p.shape[1:]).expand(p.shape),
+                                                        requires_grad=False)
 
     def _restore_buffers(self) -> None:
         for name, value in self.ckpt.buffers.items():
@@ -123,8 +137,9 @@ class LayerStream:
         """Every feed's outputs (the traced wrapper's), computed one layer at a time."""
         module = trace.graph_module(self.ckpt)
         self._restore_buffers()
-        outer = self._outer()
-        outer_bytes = self._fill(self.shell, "", outer)
+        # the input embeddings for the capture, one layer at a time, the rest of the model for the end: never more
+        # than one layer's weights or the non-layer weights in memory at once
+        self._fill(self.shell, "", self._outer("in"))
         catcher, replay = _Catcher(self.layers[0]), _Replay(self.layers[0])
         states: list[tuple[torch.Tensor, tuple, dict]] = []
         try:
@@ -139,18 +154,20 @@ class LayerStream:
                         raise UnsupportedModelError(f"{self.ckpt.path}: the model's forward never reached its first layer")
                     states.append(catcher.seen)
                     catcher.seen = None
+                lazy.to_meta(self.shell)
                 start, n = time.perf_counter(), len(self.layers)
                 for i, layer in enumerate(self.layers):
-                    live = self._fill(layer, f"{self.stack}.{i}.", [p for p, _ in layer.named_parameters()])
+                    self._fill(layer, f"{self.stack}.{i}.", [p for p, _ in layer.named_parameters()])
                     for j, (hidden, args, kwargs) in enumerate(states):
                         out = layer(hidden, *args, **kwargs)
                         states[j] = (out[0] if isinstance(out, tuple) else out, args, kwargs)
                     lazy.to_meta(layer)
-                    self.weights.release(live)
                     elapsed = time.perf_counter() - start
                     self.say(f"reference layer {i + 1}/{n}: {len(states)} inputs, {elapsed:.0f} s elapsed, "
                              f"~{elapsed / (i + 1) * (n - i - 1):.0f} s left")
                 self._swap_stack(nn.ModuleList([replay]))
+                self._fill(self.shell, "", self._outer("out"))
+                self._placeholder_embeddings()
                 results = []
                 for f, (hidden, _, _) in zip(feeds, states):
                     replay.value = hidden
@@ -160,7 +177,6 @@ class LayerStream:
         finally:
             self._swap_stack(self.layers)
             lazy.to_meta(self.shell)
-            self.weights.release(outer_bytes)
 
 
 class Precomputed:
