@@ -72,7 +72,7 @@ def grid_weights(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return ((codes.astype(np.float32) - 8) * scale).reshape(rows, cols).astype(np.float16)
 
 
-def write_shard(path: Path, names: list[tuple[str, tuple[int, ...]]], rng: np.random.Generator) -> None:
+def write_shard(path: Path, names: list[tuple[str, tuple[int, ...]]], rng: np.random.Generator, grid: bool) -> None:
     """One safetensors file written tensor by tensor: header first, then each tensor's bytes as it is made."""
     header, offset = {}, 0
     for name, shape in names:
@@ -92,12 +92,16 @@ def write_shard(path: Path, names: list[tuple[str, tuple[int, ...]]], rng: np.ra
                 rows, cols = shape
                 step = max(1, (1 << 22) // cols)
                 for lo in range(0, rows, step):
-                    fh.write(grid_weights(rng, min(step, rows - lo), cols).tobytes())
+                    n = min(step, rows - lo)
+                    part = grid_weights(rng, n, cols) if grid else \
+                        (rng.standard_normal((n, cols), np.float32) * 0.02).astype(np.float16)
+                    fh.write(part.tobytes())
     tmp.replace(path)
 
 
-def make(name: str, root: Path | None = None, tokenizer: Path | None = None) -> Path:
-    """The checkpoint directory (made once; a complete one is reused)."""
+def make(name: str, root: Path | None = None, tokenizer: Path | None = None, grid: bool = True) -> Path:
+    """The checkpoint directory (made once; a complete one is reused). ``grid=False``: N(0, 0.02) weights instead
+    (tests: round-to-nearest then changes every weight, so a wrong codes reference shows)."""
     cfg = dict(SHAPES[name], model_type="llama", architectures=["LlamaForCausalLM"], torch_dtype="float16",
                rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=None)
     out = (root or cache_dir()) / f"llama-{name}"
@@ -118,7 +122,7 @@ def make(name: str, root: Path | None = None, tokenizer: Path | None = None) -> 
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         print(f"{out.name}: shard {i + 1}/{len(shards)} ({len(names)} tensors)", file=sys.stderr)
-        write_shard(out / file, names, rng)
+        write_shard(out / file, names, rng, grid)
         weight_map.update({n: file for n, _ in names})
     total = sum(int(np.prod(s)) * 2 for _, s in tensors(cfg))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},

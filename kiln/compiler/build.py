@@ -22,8 +22,8 @@ import onnx
 
 import kiln.runtimes as kr
 from kiln.compiler import manifest as manifest_lib
-from kiln.compiler import gguf, trace, trace_seq2seq, trace_stream
-from kiln.compiler.quantize import gptq_format
+from kiln.compiler import stream as stream_lib
+from kiln.compiler import trace, trace_seq2seq, trace_stream
 from kiln.compiler.artifact import check_output, staging
 from kiln.compiler.load import Checkpoint, load_checkpoint
 from kiln.compiler.options import (
@@ -32,7 +32,6 @@ from kiln.compiler.options import (
     PRECISIONS,
     QUANT_METHODS,
     REDUCED_FLOAT,
-    STREAM_ABOVE,
     TARGETS,
     TASKS,
     CompileOptions,
@@ -42,8 +41,8 @@ from kiln.compiler.pipeline import STAGES, ModelFacts, build_pass, check_coverag
 from kiln.compiler.quantize import int8
 from kiln.compiler.scoped import torch_threads
 from kiln.compiler.verify import cases as case_lib
-from kiln.compiler.verify.generation import verify_generation, verify_seq2seq
-from kiln.compiler.verify.parity import failures, latency, median_latency_ms, verify
+from kiln.compiler.verify.generation import GENERATION_STEPS, verify_generation, verify_seq2seq
+from kiln.compiler.verify.parity import EXACT_SESSION, failures, latency, median_latency_ms, verify
 from kiln.errors import OutputError, ParityError, UnsupportedModelError, UsageError
 from kiln.passes import run_passes
 from kiln.passes.weights import WeightStore, compact
@@ -53,7 +52,6 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 GRAPH = "model.onnx"
-GENERATION_STEPS = 16
 
 
 def _check_options(options: CompileOptions) -> None:
@@ -135,7 +133,7 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
     _check_options(options)
     output = Path(output).absolute()
     check_output(output, options.force)
-    stream = streams(Path(checkpoint), options)
+    stream = stream_lib.streams(Path(checkpoint), options, say)
     say(f"load {checkpoint}" + (" (streamed: the weights stay on disk, read one tensor at a time)" if stream else ""))
     ckpt = load_checkpoint(checkpoint, options.task, stream=stream)
     if ckpt.codebook is not None:
@@ -160,38 +158,6 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
                           f"or choose another -o; nothing was written to {output}") from e
     say(f"wrote {output}")
     return output
-
-
-STREAMED_PRECISIONS = ("fp32", "int4")
-
-
-def streams(path: Path, options: CompileOptions) -> bool:
-    """Whether this compile streams the checkpoint (``CompileOptions.stream``; auto: FP32 weights over
-    ``STREAM_ABOVE``). Streaming takes decoders from safetensors on the CPU target at FP32 or INT4
-    round-to-nearest; asking for it elsewhere is a usage error naming what is missing."""
-    from kiln.compiler import lazy
-    from kiln.compiler.load import model_kind, read_config
-
-    if options.stream is False or gguf.is_gguf(path) or not path.is_dir():
-        return False
-    raw = read_config(path)
-    if gptq_format.quantization_config(path, raw) is not None:
-        return False
-    archs = raw.get("architectures") or [""]
-    kind = model_kind(path, raw, archs[0])
-    size = lazy.fp32_weight_bytes(path)
-    why = ("it is not a decoder" if kind != "decoder" else "its weights are not safetensors" if size is None else
-           f"--precision {options.precision} is not streamed yet (fp32, int4 --quant-method rtn are)"
-           if options.precision not in STREAMED_PRECISIONS or
-           (options.precision == "int4" and options.quant_method != "rtn") else
-           "--prune needs the whole model in memory" if options.prune else
-           "--max-drop searches with the whole model in memory" if options.max_drop else
-           "--target tensorrt is not streamed yet" if options.target != "cpu" else None)
-    if options.stream is None:
-        return why is None and size is not None and size > STREAM_ABOVE
-    if why is not None:
-        raise UsageError(f"--stream: {path} cannot be streamed ({why}); compile it without --stream")
-    return True
 
 
 def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -> Checkpoint:
@@ -461,9 +427,6 @@ def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: 
     return data
 
 
-EXACT_SESSION = {"session.qdq_matmulnbits_accuracy_level": "0"}
-"""ONNX Runtime fuses blocked DequantizeLinear + MatMul into MatMulNBits, by default at accuracy level 4: the
-exact check keeps activations FP32 there too."""
 
 
 def exact_copy(root: Path) -> Path:
@@ -535,56 +498,6 @@ def copy_tokenizer(ckpt: Checkpoint, root: Path) -> None:
         (root / manifest_lib.CHAT_TEMPLATE).write_text(template)
 
 
-def _verify_streamed(ckpt: Checkpoint, root: Path, staged: Manifest, data: dict[str, Any], options: CompileOptions,
-                     say: Progress, codes: Any = None) -> dict[str, Any]:
-    """A streamed checkpoint: the reference runs layer by layer from the checkpoint (no eager model to time).
-    INT4 (``codes``: a per-tensor transform to the dequantized codes): against FP32 with INT4's floor, then the
-    FP32-activation graph against the codes with the tight bound, the generation check through the codes."""
-    from kiln.compiler.verify.streamed import verify_streamed
-
-    inputs = [s.name for s in trace.io_specs(ckpt)[0]]
-    cases = case_lib.text_cases(ckpt, inputs) + case_lib.random_cases(ckpt, inputs, options.verify_max_length,
-                                                                      options.seed)
-    prompts = case_lib.generation_prompts(ckpt, options.seed) if "kv_cache" in data and ckpt.task == "causal-lm" else None
-    pad = data.get("generation", {}).get("pad_token_id", ckpt.pad_token_id)
-    report = verify_streamed(ckpt, lambda: kr.open_manifest(staged, threads=options.threads), cases,
-                             None if codes is not None else prompts, GENERATION_STEPS, options.precision, pad, say)
-    if codes is not None:
-        exact_dir = exact_link(root)
-        try:
-            say("verify the codes: the graph with FP32 activations (accuracy_level 0) vs the reference on the "
-                "dequantized codes, layer by layer")
-            exact = verify_streamed(ckpt, lambda: kr.open_manifest(Manifest(exact_dir, data), threads=options.threads,
-                                                                   session_config=EXACT_SESSION),
-                                    cases, prompts, GENERATION_STEPS, "int4-codes", pad, say, transform=codes)
-        finally:
-            shutil.rmtree(exact_dir, ignore_errors=True)
-        report["codes"] = {k: exact[k] for k in ("tolerance", "summary", "cases", "passed")}
-        report["passed"] = report["passed"] and exact["passed"]
-        if "generation" in exact:
-            report["generation"] = exact["generation"]
-            report["passed"] = report["passed"] and exact["generation"]["passed"]
-    say("latency against eager skipped: a streamed checkpoint has no eager model in memory to time")
-    return report
-
-
-def exact_link(root: Path) -> Path:
-    """``exact_copy`` without copying the weights: the graph rewritten (accuracy_level 0) in a scratch directory
-    beside the staging one, its data file and the rest hard-linked (same filesystem, no bytes duplicated)."""
-    out = Path(tempfile.mkdtemp(prefix=".kiln-codes-", dir=root.parent))
-    for f in root.iterdir():
-        if f.is_file() and f.name != GRAPH:
-            os.link(f, out / f.name)
-    model = onnx.load(str(root / GRAPH), load_external_data=False)
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for a in node.attribute:
-                if a.name == "accuracy_level":
-                    a.i = 0
-    onnx.save_model(model, str(out / GRAPH))
-    return out
-
-
 def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options: CompileOptions,
                     say: Progress, codes: Any = None) -> dict[str, Any]:
     """Parity (and the KV-cache generation check) against eager PyTorch, then latency; raises ParityError
@@ -601,7 +514,7 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
             gen = verify_seq2seq(ckpt.model, artifact, ids, mask, GENERATION_STEPS, options.precision)
         report = {"precision": options.precision, "generation": gen, "passed": gen["passed"], "cases": [], "summary": {}}
     elif ckpt.streamed:
-        report = _verify_streamed(ckpt, root, staged, data, options, say, codes)
+        report = stream_lib.verify(ckpt, root, staged, data, options, say, codes)
     else:
         inputs = [s.name for s in trace.io_specs(ckpt)[0]]
         cases = case_lib.text_cases(ckpt, inputs) + case_lib.random_cases(ckpt, inputs, options.verify_max_length,

@@ -4,6 +4,7 @@ ONNX Runtime, always from a file: a model handed over as serialized bytes cannot
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 
 import onnx
 from onnx import helper
+
+from kiln.passes import weights
 
 EXTERNAL_ABOVE = 1 << 30
 """Graphs over this many bytes are written with their weights in a separate data file."""
@@ -35,6 +38,15 @@ def session(model: onnx.ModelProto, threads: int | None = None, external_above: 
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or 0
+    store = weights.current()
+    if store is not None:  # a streamed graph: its weights are references into files beside it, so it runs from there
+        fd, name = tempfile.mkstemp(prefix="kiln-run-", suffix=".onnx", dir=store.base_dir)
+        os.close(fd)
+        try:
+            onnx.save_model(model, name)
+            return ort.InferenceSession(name, opts, providers=["CPUExecutionProvider"])
+        finally:
+            os.unlink(name)
     with tempfile.TemporaryDirectory(prefix="kiln-graph-") as tmp:
         path = Path(tmp) / "model.onnx"
         if model.ByteSize() > external_above:

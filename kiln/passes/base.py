@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import contextvars
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,28 @@ class PassResult:
     modified: bool
     stats: dict[str, int] = field(default_factory=dict)
     skipped: list[Reason] = field(default_factory=list)
+
+
+_PROGRESS: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("kiln_pass_progress",
+                                                                                        default=None)
+
+
+class Progress:
+    """Progress of a long pass over ``total`` items: a line every ``every`` seconds with elapsed time and an
+    estimate of what is left, to the runner's progress callback (nothing when there is none)."""
+
+    def __init__(self, what: str, total: int, every: float = 10.0) -> None:
+        self.what, self.total, self.every = what, total, every
+        self.start = self.last = time.perf_counter()
+
+    def step(self, done: int) -> None:
+        say = _PROGRESS.get()
+        now = time.perf_counter()
+        if say is None or (now - self.last < self.every and done < self.total) or not done:
+            return
+        self.last = now
+        elapsed = now - self.start
+        say(f"  {self.what} {done}/{self.total}: {elapsed:.0f} s elapsed, ~{elapsed / done * (self.total - done):.0f} s left")
 
 
 class PassError(KilnError):
@@ -97,6 +121,7 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], disabled: Sequenc
             continue
         if progress:
             progress(f"pass {p.name}")
+        token = _PROGRESS.set(progress)
         try:
             result = p.run(model)
             _check(result.model)
@@ -106,6 +131,8 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], disabled: Sequenc
             after = f" after {', '.join(done)}" if done else ""
             detail = " ".join(str(e).split())  # checker messages span lines; errors are one line
             raise PassError(f"pass {p.name} failed{after}: {detail}; disable it with --disable-pass {p.name}") from e
+        finally:
+            _PROGRESS.reset(token)
         model = result.model
         done.append(p.name)
         entry: dict[str, Any] = {"name": p.name, "modified": result.modified, "stats": dict(result.stats)}

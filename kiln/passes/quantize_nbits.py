@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes.weights import maybe_spill
-from kiln.passes.base import Pass, PassResult, Reason
+from kiln.passes.base import Pass, PassResult, Progress, Reason
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
 from kiln.passes.quantize_int8 import matmul_weight, quantizable_matrix
 
@@ -269,8 +269,11 @@ class QuantizeBlockwise(Pass):
                                                                      "opset 21 or later (compile with --opset 21+)")])
         tables = self._tables(g)
         outputs = {o.name for o in g.g.output}
-        plans = []  # (matmul, (K, N) weight, Quantized): every decision before the first change
-        for handle in g.nodes_of("MatMul"):
+        plans = []  # (matmul, its prepared initializers): every decision before the first change
+        handles = g.nodes_of("MatMul")
+        progress = Progress("quantize-nbits: weights", len(handles))
+        for i, handle in enumerate(handles):
+            progress.step(i)
             mm = g.node(handle)
             where = mm.name or handle
             w = blockwise_weight(g, mm, self.min_elements)

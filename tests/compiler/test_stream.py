@@ -25,7 +25,7 @@ def sharded(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("scale")
     scale_checkpoints.SHARD_BYTES, old = 200_000, scale_checkpoints.SHARD_BYTES
     try:
-        path = scale_checkpoints.make("tiny", root)
+        path = scale_checkpoints.make("tiny", root, grid=False)
     finally:
         scale_checkpoints.SHARD_BYTES = old
     make_tokenizer("decoder").save_pretrained(path)
@@ -209,8 +209,20 @@ def test_stream_refuses_what_it_cannot_stream(checkpoints, tmp_path, capsys):
     code, err = run_cli(["compile", str(checkpoints["bert"]), "-o", str(tmp_path / "o"), "-q", "--stream"], capsys)
     assert code == 2 and len(err) == 1 and "not a decoder" in err[0] and "without --stream" in err[0]
     code, err = run_cli(["compile", str(checkpoints["llama"]), "-o", str(tmp_path / "o"), "-q", "--stream",
-                         "--precision", "int8"], capsys)
-    assert code == 2 and len(err) == 1 and "int8 is not streamed yet" in err[0]
+                         "--precision", "int4"], capsys)  # GPTQ, the default method
+    assert code == 2 and len(err) == 1 and "int4 with these settings is not streamed yet" in err[0]
+
+
+def test_streamed_int8_calibrates_from_disk(sharded, tmp_path):
+    """Dynamic INT8 with outlier splitting: the calibration graph runs from the staging directory, weights external."""
+    from kiln.compiler import compile
+
+    out = compile(sharded, tmp_path / "int8", fast_options(stream=True, precision="int8"))
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["verification"]["status"] == "passed"
+    q = next(p for p in m["passes"] if p["name"] == "quantize-nbits")
+    assert q["stats"]["quantized"] == 5 * 3 + 1 and q["stats"]["bits"] == 8  # packed QKV, o, gate, up, down; head
+    assert any(p["name"] == "split-outliers" and "calibration" not in p for p in m["passes"])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
@@ -219,7 +231,7 @@ def test_tied_head_streams(tmp_path, precision):
     verifies; the tied table is stored once."""
     from kiln.compiler import compile
 
-    ckpt = scale_checkpoints.make("tiny-tied", tmp_path)
+    ckpt = scale_checkpoints.make("tiny-tied", tmp_path, grid=False)
     assert "lm_head.weight" not in json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
     extra = dict(quant_method="rtn") if precision == "int4" else {}
     out = compile(ckpt, tmp_path / "tied", fast_options(stream=True, precision=precision, **extra))

@@ -73,7 +73,9 @@ class Driver:
                 raise UsageError(f"calibration reads text through the checkpoint's tokenizer; {ckpt.path} has none "
                                  "(compile --precision int8 without --static/--smoothquant/--max-drop/--calibration, "
                                  "or --precision int4 --quant-method rtn)")
-            say(f"warning: {ckpt.path} has no tokenizer to read calibration text; dynamic INT8 without outlier splitting")
+            if options.precision != "int4":  # round-to-nearest INT4 reads no text
+                say(f"warning: {ckpt.path} has no tokenizer to read calibration text; dynamic INT8 without outlier "
+                    "splitting")
             return
         source = options.calibration or "(default Python docs sentences)"
         cal_texts, held_texts = corpus.split(corpus.read_texts(options.calibration))

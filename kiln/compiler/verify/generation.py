@@ -21,6 +21,10 @@ from kiln.errors import KilnError
 from kiln.runtimes.generation import pad_rows
 
 
+GENERATION_STEPS = 16
+"""Greedy steps the compile-time generation check runs through the KV cache."""
+
+
 def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: int, precision: str,
                       pad_id: int) -> dict[str, Any]:
     tol = TOLERANCES[precision]

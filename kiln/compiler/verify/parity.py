@@ -72,6 +72,11 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 
 
+EXACT_SESSION = {"session.qdq_matmulnbits_accuracy_level": "0"}
+"""INT4's codes check runs the graph with every MatMulNBits at accuracy_level 0 (FP32 activations); ONNX Runtime
+fuses blocked DequantizeLinear + MatMul into MatMulNBits, by default at accuracy level 4: this keeps that FP32 too."""
+
+
 ROUNDING_FACTOR = 3.0
 """FP32 only: a case over the abs bound still passes when the artifact is within this many times PyTorch's own
 FP32 rounding of the exact (FP64) answer, measured on that case. An ill-conditioned model (SmolLM2-135M with 20% of
