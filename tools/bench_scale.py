@@ -31,6 +31,7 @@ KILN = [sys.executable, "-m", "kiln.cli"]
 GIB = 1 << 30
 VARIANTS = {
     "fp32": [],
+    "int8": ["--precision", "int8"],
     "int4-rtn": ["--precision", "int4", "--quant-method", "rtn"],
 }
 BOUNDS = {"1.1b": {"minutes": {"fp32": 10, "int4-rtn": 30}, "rss": "artifact + 3 GiB"},
@@ -90,7 +91,7 @@ def main() -> int:
     ap.add_argument("--only", choices=("1.1b", "8b"), action="append")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=scale_checkpoints.cache_dir() / "artifacts")
-    ap.add_argument("--variants", default=None, help="comma-separated (default: fp32,int4-rtn at 1.1B; int4-rtn at 8B)")
+    ap.add_argument("--variants", default=None, help="comma-separated (default: fp32,int8,int4-rtn at 1.1B; int4-rtn at 8B)")
     ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: removed after measuring)")
     args = ap.parse_args()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "avx2", "amx"))}) \
@@ -101,7 +102,7 @@ def main() -> int:
     rows = []
     for shape in args.only or ["1.1b", "8b"]:
         ckpt = scale_checkpoints.make(shape)
-        variants = args.variants.split(",") if args.variants else (["fp32", "int4-rtn"] if shape == "1.1b" else ["int4-rtn"])
+        variants = args.variants.split(",") if args.variants else (["fp32", "int8", "int4-rtn"] if shape == "1.1b" else ["int4-rtn"])
         for v in variants:
             out = args.work / f"{shape}-{v}"
             shutil.rmtree(out, ignore_errors=True)

@@ -308,21 +308,25 @@ class QuantizeBlockwise(Pass):
             # only the packed tensors are kept (spilled to disk when a weight store is open), never the FP32 weight
             plans.append((mm, self._prepare(g, mm, q)))
             del w, q
-        embeds = []
+        embeds = []  # (Gather, its GatherBlockQuantized): the table quantized now and dropped, as the weights are
         if self.embedding_bits and self.form == "matmulnbits":
-            embeds = [(node, g.constant(node.input[0])) for node in tables.values()]
+            for node in tables.values():
+                q = rtn(g.constant(node.input[0]).T, self.embedding_bits, self.head_block_size, "signed")
+                data = maybe_spill(numpy_helper.from_array(pack(q.codes, q.bits).reshape(q.codes.shape[0], -1),
+                                                           g.fresh(f"{node.input[0]}_q{q.bits}")))
+                scales = maybe_spill(numpy_helper.from_array(q.scales, g.fresh(f"{node.input[0]}_scales")))
+                new = helper.make_node("GatherBlockQuantized", [data.name, node.input[1], scales.name],
+                                       list(node.output), name=g.fresh("GatherBlockQuantized"), domain=MS_DOMAIN,
+                                       bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+                embeds.append((node, new, (data, scales), f"int{q.bits}"))
+                del q
         for mm, prepared in plans:
             g.replace_nodes([mm], self._lower(g, mm, prepared, stats))
             stats["quantized"] += 1
-        for node, table in embeds:
-            q = rtn(table.T, self.embedding_bits, self.head_block_size, "signed")
-            data = pack(q.codes, q.bits).reshape(q.codes.shape[0], -1)
-            new = helper.make_node("GatherBlockQuantized", [g.add_initializer(f"{node.input[0]}_q{q.bits}", data),
-                                   node.input[1], g.add_initializer(f"{node.input[0]}_scales", q.scales)],
-                                   list(node.output), name=g.fresh("GatherBlockQuantized"), domain=MS_DOMAIN,
-                                   bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+        for node, new, tensors, kind in embeds:
+            g.g.initializer.extend(tensors)
             g.replace_nodes([node], [new])
-            stats["embedding"] = f"int{q.bits}"
+            stats["embedding"] = kind
         if plans or embeds:
             g.ensure_opset(MS_DOMAIN, 1)
             g.prune()
