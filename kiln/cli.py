@@ -286,7 +286,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_export_gptq(args: argparse.Namespace) -> int:
     from kiln.compiler.options import CompileOptions
-    from kiln.compiler.quantize.gptq_format import export
+    from kiln.compiler.quantize.export import export
 
     opts = CompileOptions(precision="int4", calibration=args.calibration, group_size=args.group_size,
                           act_order=args.act_order, asym=args.asym, gptq_windows=args.gptq_windows, threads=args.threads,

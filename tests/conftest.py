@@ -143,6 +143,17 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {f: save_checkpoint(root / f, f, h) for f, h in FAMILY_HEADS}
 
 
+def packed_codes(artifact: Path) -> list[bytes]:
+    """Every MatMulNBits weight's packed codes and scales in an artifact, in graph order."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(artifact / "model.onnx"))
+    init = {t.name: t for t in model.graph.initializer}
+    return [numpy_helper.to_array(init[n.input[i]]).tobytes() for n in model.graph.node
+            if n.op_type == "MatMulNBits" for i in (1, 2)]
+
+
 def fast_options(**kw):
     from kiln.compiler import CompileOptions
 

@@ -4,7 +4,14 @@ child processes; each compile's time and peak RSS next to the bound the issue se
 3 GiB at 1.1B; 12 GiB at 8B); then the artifacts loaded with ``kiln.runtimes`` (no torch in that process) for
 decode at batch 1 (64-token prompt, 64 new tokens, greedy), and the peak RSS of load + generate against its files.
 
-    python tools/bench_scale.py [--only 1.1b|8b] [--threads 2] [--work DIR] [--variants fp32,int4-rtn]
+    python tools/bench_scale.py [--only 1.1b|8b] [--threads 2] [--work DIR] [--variants fp32,int4]
+                                [--llama-cpp LLAMA_CPP_SOURCE]
+
+``int4`` is the default INT4 method (GPTQ, calibrated on the default text through SmolLM2's tokenizer, which the
+checkpoints get: its vocabulary is the 1.1B shape's). With ``--llama-cpp`` (a llama.cpp source tree with
+``build/bin/llama-bench`` and ``llama-quantize``; see README, Large checkpoints) the 1.1B checkpoint is also
+converted (``convert_hf_to_gguf.py``, F16; it needs ``sentencepiece``), quantized to Q4_K_M, and decoded with
+``llama-bench -p 64 -n 64 -d 64`` in the same run; the GGUF files are cached beside the checkpoints.
 
 The checkpoints' weights lie on the INT4 group-32 grid (see scale_checkpoints.py): the numbers are memory and
 time, not accuracy. Peak RSS is the child's ``ru_maxrss`` (resident pages, the mapped artifact's included).
@@ -25,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import scale_checkpoints  # noqa: E402
+import reference_models  # noqa: E402
 from bench_encoder import cpu_name  # noqa: E402
 
 KILN = [sys.executable, "-m", "kiln.cli"]
@@ -33,9 +41,11 @@ VARIANTS = {
     "fp32": [],
     "int8": ["--precision", "int8"],
     "int4-rtn": ["--precision", "int4", "--quant-method", "rtn"],
+    "int4": ["--precision", "int4"],
 }
-BOUNDS = {"1.1b": {"minutes": {"fp32": 10, "int4-rtn": 30}, "rss": "artifact + 3 GiB"},
+BOUNDS = {"1.1b": {"minutes": {"fp32": 10, "int4": 30}, "rss": "artifact + 3 GiB"},
           "8b": {"minutes": {"int4-rtn": 45}, "rss": "12 GiB"}}
+DEFAULT_VARIANTS = {"1.1b": ["fp32", "int8", "int4-rtn", "int4"], "8b": ["int4-rtn", "int4"]}
 
 
 def measured(cmd: list[str], log: Path) -> tuple[int, float, int]:
@@ -86,12 +96,34 @@ def decode(artifact: Path, threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def llama_cpp(source: Path, ckpt: Path, threads: int) -> dict:
+    """llama.cpp's Q4_K_M of ``ckpt``: converted and quantized once (cached), then ``llama-bench``'s decode."""
+    gguf_dir = scale_checkpoints.cache_dir() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    f16, q4 = gguf_dir / f"{ckpt.name}-f16.gguf", gguf_dir / f"{ckpt.name}-q4_k_m.gguf"
+    bins = source / "build" / "bin"
+    if not q4.exists():
+        if not f16.exists():
+            env = dict(__import__("os").environ, PYTHONPATH=str(source / "gguf-py"))
+            subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", "f16",
+                            "--outfile", str(f16)], check=True, env=env, capture_output=True)
+        subprocess.run([str(bins / "llama-quantize"), str(f16), str(q4), "Q4_K_M", str(threads)], check=True,
+                       capture_output=True)
+    out = subprocess.run([str(bins / "llama-bench"), "-m", str(q4), "-p", "64", "-n", "64", "-d", "64",
+                          "-t", str(threads), "-o", "json"], check=True, capture_output=True, text=True)
+    runs = json.loads(out.stdout)
+    tg = next(r for r in runs if r["n_gen"] > 0)
+    return {"tok_s": tg["avg_ts"], "gib": q4.stat().st_size / GIB, "build": runs[0].get("build_commit")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=("1.1b", "8b"), action="append")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=scale_checkpoints.cache_dir() / "artifacts")
-    ap.add_argument("--variants", default=None, help="comma-separated (default: fp32,int8,int4-rtn at 1.1B; int4-rtn at 8B)")
+    ap.add_argument("--variants", default=None, help="comma-separated (default: fp32,int8,int4-rtn,int4 at 1.1B; "
+                                                     "int4-rtn,int4 at 8B)")
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source tree, built (1.1B Q4_K_M decode)")
     ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: removed after measuring)")
     args = ap.parse_args()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "avx2", "amx"))}) \
@@ -101,8 +133,8 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in args.only or ["1.1b", "8b"]:
-        ckpt = scale_checkpoints.make(shape)
-        variants = args.variants.split(",") if args.variants else (["fp32", "int8", "int4-rtn"] if shape == "1.1b" else ["int4-rtn"])
+        ckpt = scale_checkpoints.make(shape, tokenizer=reference_models.smollm2())
+        variants = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[shape]
         for v in variants:
             out = args.work / f"{shape}-{v}"
             shutil.rmtree(out, ignore_errors=True)
@@ -135,9 +167,16 @@ def main() -> int:
               f"{r['rss_bound_gib']:>5.2f} GiB {r['artifact_gib']:>5.2f} GiB {r['decode_tok_s'] or 0:>6.1f} tok/s "
               f"{r['runtime_rss_gib']:>5.2f} GiB ({r['runtime_rss_over_files'] or 0:.2f}x)")
     fp32 = next((r for r in rows if r["model"] == "1.1b" and r["variant"] == "fp32" and not r["exit"]), None)
-    int4 = next((r for r in rows if r["model"] == "1.1b" and r["variant"] == "int4-rtn" and not r["exit"]), None)
+    int4 = next((r for r in rows if r["model"] == "1.1b" and r["variant"] == "int4" and not r["exit"]), None)
     if fp32 and int4 and fp32.get("decode_tok_s") and int4.get("decode_tok_s"):
-        print(f"1.1B decode INT4 / FP32: {int4['decode_tok_s'] / fp32['decode_tok_s']:.2f}x (target 2.5x)")
+        print(f"1.1B decode INT4 (default) / FP32: {int4['decode_tok_s'] / fp32['decode_tok_s']:.2f}x (target 2.5x)")
+    if args.llama_cpp and (args.only is None or "1.1b" in args.only):
+        q4 = llama_cpp(args.llama_cpp, scale_checkpoints.make("1.1b"), args.threads)
+        print(f"llama.cpp {q4['build']} Q4_K_M of the 1.1B checkpoint ({q4['gib']:.2f} GiB): "
+              f"llama-bench -p 64 -n 64 -d 64 -t {args.threads}: {q4['tok_s']:.1f} tok/s decode")
+        if int4 and int4.get("decode_tok_s"):
+            print(f"1.1B decode kiln INT4 (default) / llama.cpp Q4_K_M: {int4['decode_tok_s'] / q4['tok_s']:.2f}x "
+                  "(target 1.2x)")
     return 0
 
 

@@ -106,6 +106,8 @@ def make(name: str, root: Path | None = None, tokenizer: Path | None = None, gri
                rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=None)
     out = (root or cache_dir()) / f"llama-{name}"
     if (out / ".complete").exists():
+        if tokenizer is not None and not (out / "tokenizer.json").exists():
+            copy_tokenizer(tokenizer, out)
         return out
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -129,11 +131,15 @@ def make(name: str, root: Path | None = None, tokenizer: Path | None = None, gri
                                                                   "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     if tokenizer is not None:
-        for f in tokenizer.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")):
-                (out / f.name).write_bytes(f.read_bytes())
+        copy_tokenizer(tokenizer, out)
     (out / ".complete").touch()
     return out
+
+
+def copy_tokenizer(src: Path, out: Path) -> None:
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
 
 
 def main() -> int:

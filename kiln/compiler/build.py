@@ -42,7 +42,7 @@ from kiln.compiler.quantize import int8
 from kiln.compiler.scoped import torch_threads
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import GENERATION_STEPS, verify_generation, verify_seq2seq
-from kiln.compiler.verify.parity import EXACT_SESSION, failures, latency, median_latency_ms, verify
+from kiln.compiler.verify.parity import EXACT_SESSION, failures, fp32_activations, latency, median_latency_ms, verify
 from kiln.errors import OutputError, ParityError, UnsupportedModelError, UsageError
 from kiln.passes import run_passes
 from kiln.passes.weights import WeightStore, compact
@@ -437,15 +437,11 @@ def exact_copy(root: Path) -> Path:
     for f in root.iterdir():
         if f.is_file() and not f.name.startswith(GRAPH):
             shutil.copy2(f, out / f.name)
-    model = onnx.load(str(root / GRAPH))
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for a in node.attribute:
-                if a.name == "accuracy_level":
-                    a.i = 0
+    model = fp32_activations(onnx.load(str(root / GRAPH)))
     onnx.save_model(model, str(out / GRAPH), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=GRAPH + ".data")
     return out
+
 
 
 FP16_CPU_UNFAITHFUL = ("ONNX Runtime CPU loads it, but its FP16 graph is not IEEE-faithful at overflow (a decomposed "

@@ -112,16 +112,20 @@ class LazyWeights:
 
         Read with plain file reads, not safetensors' memory map: mapped pages of the checkpoint would count in
         the process's resident memory until the map closes (2.2 GB for a 1.1B FP16 checkpoint)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; it is incomplete or of another "
+                                  "architecture than its config.json says")
+        return self.read(entry, key)
+
+    def read(self, entry: Entry, key: str) -> Any:
+        """``entry``'s tensor: floating point ones as counted FP32, others as stored."""
         import torch
 
         if not TORCH_DTYPES:
             TORCH_DTYPES.update(F64=torch.float64, F32=torch.float32, F16=torch.float16, BF16=torch.bfloat16,
                                 I64=torch.int64, I32=torch.int32, I16=torch.int16, I8=torch.int8, U8=torch.uint8,
                                 BOOL=torch.bool)
-        entry = self.entries.get(key)
-        if entry is None:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; it is incomplete or of another "
-                                  "architecture than its config.json says")
         buf = bytearray(entry.nbytes)
         with open(entry.file, "rb") as fh:
             fh.seek(entry.start)
@@ -133,10 +137,15 @@ class LazyWeights:
             torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])
         if not t.is_floating_point():
             return t
-        owned = np.empty(entry.shape, np.float32).view(_Owned)
+        return self.own(t)
+
+    def own(self, value: Any) -> Any:
+        """An FP32 torch tensor holding a copy of ``value`` (torch or numpy), counted until its memory is freed."""
+        import torch
+
+        owned = np.empty(tuple(value.shape), np.float32).view(_Owned)
         out = torch.from_numpy(owned)
-        out.copy_(t)
-        del t, buf
+        out.copy_(value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value)))
         self._count(owned.nbytes)
         weakref.finalize(owned, self._free, owned.nbytes)
         return out

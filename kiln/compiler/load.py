@@ -320,19 +320,22 @@ def load_model(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, A
     return model, info, attention
 
 
-def load_shell(path: Path, task: str, model_type: str) -> tuple[Any, dict[str, Any], str, Any]:
-    """The empty shell of a streamed checkpoint: config, modules and computed buffers, no weights."""
+def load_shell(path: Path, task: str, model_type: str, weights: Any = None) -> tuple[Any, dict[str, Any], str, Any]:
+    """The empty shell of a streamed checkpoint: config, modules and computed buffers, no weights. ``weights``: how
+    the checkpoint's tensors are read (default ``lazy.LazyWeights``; an imported one's dequantize on read)."""
     import transformers
 
     from kiln.compiler import lazy
 
-    weights = lazy.LazyWeights(path)
+    weights = weights if weights is not None else lazy.LazyWeights(path)
     lazy.return_freed_memory()
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many types for one bad config
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} could not be loaded: {first}") from e
+    if getattr(config, "quantization_config", None) is not None:  # the shell is FP32: its weights are dequantized
+        del config.quantization_config
     attention = ATTENTION_QUIRKS.get(model_type, "sdpa")
     try:
         shell, buffers = lazy.build_shell(config, task, attention)
@@ -355,6 +358,16 @@ def load_checkpoint(path: str | Path, task: str | None = None, stream: bool = Fa
         return ckpt
     raw = read_config(path)
     qcfg = gptq_format.quantization_config(path, raw)
+    if qcfg is not None and stream:  # shard by shard: codes to a scratch codebook, weights dequantized when read
+        layout = gptq_format.Layout(path, qcfg)
+        check_weights(path)
+        weights = gptq_format.DequantizedWeights(path, layout)
+        scratch = tempfile.TemporaryDirectory(prefix="kiln-quantized-")
+        ckpt = _checkpoint(path, task, raw, stream=True, weights=weights)
+        ckpt.codebook = weights.codebook(Path(scratch.name))
+        ckpt.source = {"format": layout.info["format"], "path": str(path.absolute()), "sha256": ckpt.sha256}
+        ckpt.scratch, ckpt.imported = scratch, dict(layout.info, layers=len(weights.packed))
+        return ckpt
     if qcfg is not None:
         scratch = tempfile.TemporaryDirectory(prefix="kiln-quantized-")
         book, info = gptq_format.dequantize_checkpoint(path, raw, qcfg, Path(scratch.name) / "checkpoint")
@@ -363,12 +376,16 @@ def load_checkpoint(path: str | Path, task: str | None = None, stream: bool = Fa
         ckpt.source = {"format": info["format"], "path": str(path.absolute()), "sha256": ckpt.sha256}
         ckpt.scratch, ckpt.codebook, ckpt.imported = scratch, book, info
         return ckpt
+    return _checkpoint(path, task, raw, stream)
+
+
+def _checkpoint(path: Path, task: str | None, raw: dict[str, Any], stream: bool, weights: Any = None) -> Checkpoint:
     kind, task, arch = resolve(path, raw, task)
     check_weights(path)
-    weights, buffers = None, {}
+    buffers: dict[str, Any] = {}
     with quiet_transformers():
         if stream:
-            model, buffers, attention, weights = load_shell(path, task, raw["model_type"])
+            model, buffers, attention, weights = load_shell(path, task, raw["model_type"], weights)
             info: dict[str, Any] = {}
         else:
             model, info, attention = load_model(path, task, raw["model_type"])

@@ -24,7 +24,7 @@ from kiln.compiler.options import STREAM_ABOVE, CompileOptions
 from kiln.compiler.quantize import gptq_format
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import GENERATION_STEPS
-from kiln.compiler.verify.parity import EXACT_SESSION
+from kiln.compiler.verify.parity import EXACT_SESSION, fp32_activations
 from kiln.compiler.verify.streamed import verify_streamed
 from kiln.errors import UsageError
 from kiln.runtimes.artifact import Manifest
@@ -38,24 +38,24 @@ STREAMED_PRECISIONS = ("fp32", "int8", "int4")
 def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
     """Whether this compile streams the checkpoint (``CompileOptions.stream``; auto: FP32 weights over
     ``STREAM_ABOVE``). Streaming takes decoders from safetensors on the CPU target at FP32, dynamic INT8 or INT4
-    round-to-nearest; asking for it elsewhere is a usage error naming what is missing, and a large checkpoint that
+    (GPTQ or round-to-nearest); asking for it elsewhere is a usage error naming what is missing, and a large checkpoint that
     auto cannot stream is said so before the whole model is loaded."""
     if options.stream is False or gguf.is_gguf(path) or not path.is_dir():
         return False
     raw = read_config(path)
-    if gptq_format.quantization_config(path, raw) is not None:
-        return False
+    qcfg = gptq_format.quantization_config(path, raw)
     archs = raw.get("architectures") or [""]
     kind = model_kind(path, raw, archs[0])
     size = None
     if kind == "decoder":
         check_weights(path)  # headers and shards checked before any header is trusted
         size = lazy.fp32_weight_bytes(path)
+        if qcfg is not None and size is not None:  # what its Linears dequantize to
+            size = gptq_format.DequantizedWeights(path, gptq_format.Layout(path, qcfg)).fp32_bytes()
     why = ("it is not a decoder" if kind != "decoder" else "its weights are not safetensors" if size is None else
            f"--precision {options.precision} with these settings is not streamed yet (fp32, dynamic int8 and int4 "
-           "--quant-method rtn are)"
-           if options.precision not in STREAMED_PRECISIONS or options.static or options.smoothquant is not None or
-           (options.precision == "int4" and options.quant_method != "rtn") else
+           "are)"
+           if options.precision not in STREAMED_PRECISIONS or options.static or options.smoothquant is not None else
            "--prune needs the whole model in memory" if options.prune else
            "--max-drop searches with the whole model in memory" if options.max_drop else
            "--target tensorrt is not streamed yet" if options.target != "cpu" else None)
@@ -108,13 +108,7 @@ def exact_link(root: Path) -> Path:
     for f in root.iterdir():
         if f.is_file() and f.name != GRAPH:
             os.link(f, out / f.name)
-    model = onnx.load(str(root / GRAPH), load_external_data=False)
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for a in node.attribute:
-                if a.name == "accuracy_level":
-                    a.i = 0
-    onnx.save_model(model, str(out / GRAPH))
+    onnx.save_model(fp32_activations(onnx.load(str(root / GRAPH), load_external_data=False)), str(out / GRAPH))
     return out
 
 

@@ -6,7 +6,7 @@ hidden states before the head: ``K = 0`` (the default a runtime fills in) keeps 
 ``kiln report`` see the full logits; the generation loop feeds ``K = 1`` at prefill.
 
 Recognised: the graph output ``logits`` produced by the head (MatMul, MatMulNBits or Gemm over (batch,
-sequence, hidden)), optionally followed by elementwise ops with a constant operand (Granite's logits scaling).
+sequence, hidden), or a last-axis Concat of such parts over one input), optionally followed by elementwise ops with a constant operand (Granite's logits scaling).
 Anything else is refused with the reason and the graph is left as it was.
 """
 
@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from kiln.passes.base import NoMatch, Pass, PassResult, Reason
-from kiln.passes.graph import Graph
+from kiln.passes.graph import Graph, attr
 
 INPUT = "logits_to_keep"
 _HEADS = {"MatMul", "MatMulNBits", "Gemm"}
@@ -35,10 +35,10 @@ class LogitsToKeep(Pass):
         if INPUT in g.graph_inputs:
             return PassResult(g.model, False, {"sliced": 0}, [Reason(INPUT, "the graph already takes it")])
         try:
-            head = self._head(g)
+            heads = self._head(g)
         except NoMatch as e:
             return PassResult(g.model, False, {"sliced": 0}, [Reason(self.output, str(e))])
-        hidden = head.input[0]
+        hidden = heads[0].input[0]
         c = {k: g.add_initializer(k, v) for k, v in (("keep_shape", np.array([1], np.int64)),
                                                       ("keep_zero", np.array([0], np.int64)),
                                                       ("keep_end", np.array([np.iinfo(np.int64).max], np.int64)),
@@ -54,7 +54,8 @@ class LogitsToKeep(Pass):
             helper.make_node("Slice", [hidden, t["start"], c["keep_end"], c["keep_axis"]], [t["hidden"]],
                              name=g.fresh("KeepLast")),
         ]
-        head.input[0] = t["hidden"]
+        for head in heads:
+            head.input[0] = t["hidden"]
         g.g.node.extend(new)
         g.g.input.append(helper.make_tensor_value_info(INPUT, TensorProto.INT64, []))
         g.reindex()
@@ -62,8 +63,8 @@ class LogitsToKeep(Pass):
         g.reindex()
         return PassResult(g.model, True, {"sliced": 1})
 
-    def _head(self, g: Graph) -> onnx.NodeProto:
-        """The head node: walk back from the output through constant-operand elementwise scaling (checks only)."""
+    def _head(self, g: Graph) -> list[onnx.NodeProto]:
+        """The head node (or its parts): walk back from the output through constant-operand elementwise scaling (checks only)."""
         if self.output not in g.graph_outputs:
             raise NoMatch(f"the graph has no {self.output} output")
         cur = g.producer.get(self.output)
@@ -72,15 +73,22 @@ class LogitsToKeep(Pass):
             if len(const) != 1:
                 raise NoMatch(f"{cur.op_type} {cur.name} before {self.output} is not a scaling by a constant")
             cur = g.producer.get(next(i for i in cur.input if i not in const))
-        if cur is None or cur.op_type not in _HEADS:
-            raise NoMatch(f"{self.output} is not produced by a MatMul/MatMulNBits/Gemm head")
-        if cur.op_type == "Gemm":
-            raise NoMatch("the head is a 2-D Gemm (flattened positions): slicing the sequence axis needs (B, S, H)")
-        if g.ancestors_inputs(cur.input[1]):  # a constant, or computed from constants only (a tied head's Transpose)
-            raise NoMatch("the head's weight depends on the graph's inputs")
+        parts = [cur]
+        if cur is not None and cur.op_type == "Concat" and attr(cur, "axis", 0) in (-1, 2):
+            # a head lowered in parts (quantize-nbits' PART_BYTES): every part reads the same hidden states
+            parts = [g.producer.get(i) for i in cur.input]
+            if any(p is None or p.op_type not in _HEADS for p in parts) or len({p.input[0] for p in parts}) != 1:
+                raise NoMatch(f"{self.output} is a Concat of something other than head parts over one input")
+        for head in parts:
+            if head is None or head.op_type not in _HEADS:
+                raise NoMatch(f"{self.output} is not produced by a MatMul/MatMulNBits/Gemm head")
+            if head.op_type == "Gemm":
+                raise NoMatch("the head is a 2-D Gemm (flattened positions): slicing the sequence axis needs (B, S, H)")
+            if g.ancestors_inputs(head.input[1]):  # a constant, or computed from constants only (a tied head's Transpose)
+                raise NoMatch("the head's weight depends on the graph's inputs")
         # the head keeps its input's rank and the ops after it are elementwise: a rank-3 output means the head
         # reads (batch, sequence, hidden), so axis 1 is the sequence
         out = next(o for o in g.g.output if o.name == self.output)
         if len(out.type.tensor_type.shape.dim) != 3:
             raise NoMatch(f"{self.output} is not declared (batch, sequence, vocab)")
-        return cur
+        return parts

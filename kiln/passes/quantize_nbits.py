@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -27,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kiln.passes.weights import maybe_spill
 from kiln.passes.base import Pass, PassResult, Progress, Reason
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
-from kiln.passes.quantize_int8 import matmul_weight, quantizable_matrix
+from kiln.passes.quantize_int8 import MIN_INNER, matmul_weight, quantizable_matrix
 
 BITS = (4, 8)
 PROMOTED = (8, 32)
@@ -79,30 +80,40 @@ def weight_key(w_kn: np.ndarray) -> str:
 
 class Codebook:
     """Codes computed elsewhere (GPTQ, an imported checkpoint), found again by the FP32 weights they replace:
-    whole, or side by side in a weight a fusion packed (Q, K and V concatenated along N)."""
+    whole, or side by side in a weight a fusion packed (Q, K and V concatenated along N).
 
-    def __init__(self) -> None:
-        self.whole: dict[str, Quantized] = {}
+    ``directory``: each entry's codes are written there (two 4-bit codes per byte) as they are added and read
+    back when found, so a streamed 8B model's 7 GB of codes never sit in memory together."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.whole: dict[str, Quantized | Path] = {}
         self.first_column: dict[str, tuple[str, int]] = {}
+        self.directory = directory
 
     def __len__(self) -> int:
         return len(self.whole)
 
-    def add(self, w_kn: np.ndarray, q: Quantized) -> None:
+    def add(self, w_kn: np.ndarray, q: Quantized) -> str:
+        """Keep ``q`` as the codes of ``w_kn``; returns its key (``get`` gives it back)."""
         key = weight_key(w_kn)
-        self.whole[key] = q
+        self.whole[key] = q if self.directory is None else _save(q, self.directory / f"{key}.npz")
         self.first_column[weight_key(w_kn[:, :1])] = (key, w_kn.shape[1])
+        return key
+
+    def get(self, key: str) -> Quantized:
+        q = self.whole[key]
+        return q if isinstance(q, Quantized) else _load(q)
 
     def find(self, w_kn: np.ndarray) -> Quantized | None:
-        q = self.whole.get(weight_key(w_kn))
-        if q is not None:
-            return q
+        key = weight_key(w_kn)
+        if key in self.whole:
+            return self.get(key)
         parts, col = [], 0
         while col < w_kn.shape[1]:
             key, n = self.first_column.get(weight_key(w_kn[:, col:col + 1]), (None, 0))
             if key is None or weight_key(w_kn[:, col:col + n]) != key:
                 return None
-            parts.append(self.whole[key])
+            parts.append(self.get(key))
             col += n
         first = parts[0]
         same = all(p.bits == first.bits and p.block_size == first.block_size and (p.zeros is None) == (first.zeros is None)
@@ -114,6 +125,36 @@ class Codebook:
                          None if first.zeros is None else np.concatenate([p.zeros for p in parts]),
                          first.bits, first.block_size, first.k, first.perm)
 
+
+def _save(q: Quantized, path: Path) -> Path:
+    codes = q.codes
+    if q.bits == 4 and codes.shape[-1] % 2 == 0:  # two codes per byte on disk
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    extra = {"zeros": q.zeros} if q.zeros is not None else {}
+    if q.perm is not None:
+        extra["perm"] = q.perm
+    with open(path, "wb") as fh:
+        np.savez(fh, codes=codes, scales=q.scales, meta=np.array([q.bits, q.block_size, q.k], np.int64), **extra)
+    return path
+
+
+def _load(path: Path) -> Quantized:
+    with np.load(path) as f:
+        bits, block, k = (int(v) for v in f["meta"])
+        codes = f["codes"]
+        if codes.shape[-1] * 2 == block:
+            unpacked = np.empty(codes.shape[:-1] + (block,), np.uint8)
+            unpacked[..., 0::2], unpacked[..., 1::2] = codes & 15, codes >> 4
+            codes = unpacked
+        return Quantized(codes, f["scales"], f["zeros"] if "zeros" in f else None, bits, block, k,
+                         f["perm"] if "perm" in f else None)
+
+
+PART_BYTES = 32 << 20
+"""MatMulNBits weights whose packed codes exceed this are lowered as several MatMulNBits over slices of the outputs
+(each under it), concatenated. ONNX Runtime's CPU kernel prepacks each weight into its own layout while the original
+is still in memory, so the largest weight's two copies set a session's peak: the 1.1B INT4 artifact's INT8 lm_head
+(100 MB) took load RSS from 0.99 to 1.08 GiB; in four parts the peak is 1.00 GiB. One row of logits is a Concat."""
 
 CHUNK = 1 << 22
 """Weights are rounded and dequantized in slices of about this many values (output columns are independent):
@@ -338,8 +379,15 @@ class QuantizeBlockwise(Pass):
         inputs = {i.name for i in g.g.input}
         for handle in g.nodes_of("Gather"):
             node = g.node(handle)
-            table = g.constant(node.input[0])
-            if attr(node, "axis", 0) == 0 and node.input[1] in inputs and quantizable_matrix(table, self.min_elements):
+            if attr(node, "axis", 0) != 0 or node.input[1] not in inputs:
+                continue
+            init = g.initializers.get(node.input[0])
+            if init is not None:  # judged by its dims and type: a streamed 128k x 4096 table is not read for this
+                ok = init.data_type == TensorProto.FLOAT and len(init.dims) == 2 and \
+                    init.dims[0] * init.dims[1] >= self.min_elements and init.dims[0] >= MIN_INNER
+            else:
+                ok = quantizable_matrix(g.constant(node.input[0]), self.min_elements)
+            if ok:
                 out[node.input[0]] = node
         return out
 
@@ -358,9 +406,19 @@ class QuantizeBlockwise(Pass):
             scales = tensor("scales", np.ascontiguousarray(q.scales.T))
             zeros = None
         else:
-            codes = tensor(f"q{q.bits}", pack(q.codes, q.bits))
-            scales = tensor("scales", q.scales)
-            zeros = tensor("zero_points", pack_zeros(q.zeros, q.bits)) if q.zeros is not None else None
+            packed = pack(q.codes, q.bits)
+            n = int(q.codes.shape[0])
+            count = -(-packed.nbytes // PART_BYTES)
+            rows = -(-n // count)
+            parts = []
+            for i, lo in enumerate(range(0, n, rows)):
+                tag = f"_part{i}" if count > 1 else ""
+                hi = min(n, lo + rows)
+                parts.append(Part(tensor(f"q{q.bits}{tag}", packed[lo:hi]), tensor(f"scales{tag}", q.scales[lo:hi]),
+                                  tensor(f"zero_points{tag}", pack_zeros(q.zeros[lo:hi], q.bits))
+                                  if q.zeros is not None else None, hi - lo))
+            return Prepared(parts[0].codes, parts[0].scales, parts[0].zeros, perm, q.bits, q.block_size, int(q.k), n,
+                            tuple(parts[1:]))
         return Prepared(codes, scales, zeros, perm, q.bits, q.block_size, int(q.k), int(q.codes.shape[0]))
 
     def _lower(self, g: Graph, mm: onnx.NodeProto, p: Prepared, stats: dict) -> list[onnx.NodeProto]:
@@ -379,16 +437,35 @@ class QuantizeBlockwise(Pass):
                                        name=g.fresh("DequantizeLinear"), axis=0, block_size=p.block_size),
                       helper.make_node("MatMul", [x, deq], [mm.output[0]], name=mm.name or g.fresh("MatMul"))]
             return nodes
-        inputs = [x, p.codes.name, p.scales.name] + ([p.zeros.name] if p.zeros is not None else [])
-        nodes.append(helper.make_node("MatMulNBits", inputs, [mm.output[0]], name=g.fresh("MatMulNBits"),
-                                      domain=MS_DOMAIN, K=p.k, N=p.n, bits=p.bits, block_size=p.block_size,
-                                      accuracy_level=self.accuracy_level))
+        parts = [Part(p.codes, p.scales, p.zeros, p.n - sum(r.n for r in p.rest)), *p.rest]
+        outputs = [mm.output[0]] if len(parts) == 1 else [g.fresh(f"{mm.output[0]}_part{i}") for i in range(len(parts))]
+        for part, out in zip(parts, outputs):
+            inputs = [x, part.codes.name, part.scales.name] + ([part.zeros.name] if part.zeros is not None else [])
+            nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=g.fresh("MatMulNBits"),
+                                          domain=MS_DOMAIN, K=p.k, N=part.n, bits=p.bits, block_size=p.block_size,
+                                          accuracy_level=self.accuracy_level))
+        if len(parts) > 1:
+            for t in (t for r in p.rest for t in (r.codes, r.scales, r.zeros) if t is not None):
+                g.g.initializer.append(t)
+            nodes.append(helper.make_node("Concat", outputs, [mm.output[0]], name=g.fresh("Concat"), axis=-1))
+            stats["split"] = stats.get("split", 0) + 1
         return nodes
 
 
 @dataclass(frozen=True)
+class Part:
+    """A slice of a weight's outputs lowered on its own (``PART_BYTES``)."""
+
+    codes: onnx.TensorProto
+    scales: onnx.TensorProto
+    zeros: onnx.TensorProto | None
+    n: int
+
+
+@dataclass(frozen=True)
 class Prepared:
-    """One weight's lowered initializers, made before the graph changes (``QuantizeBlockwise._prepare``)."""
+    """One weight's lowered initializers, made before the graph changes (``QuantizeBlockwise._prepare``): the first
+    (or only) part's in ``codes`` / ``scales`` / ``zeros``, the other parts' in ``rest``."""
 
     codes: onnx.TensorProto
     scales: onnx.TensorProto
@@ -398,3 +475,4 @@ class Prepared:
     block_size: int
     k: int
     n: int
+    rest: tuple[Part, ...] = ()

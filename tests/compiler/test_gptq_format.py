@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import fast_options
+from conftest import fast_options, packed_codes
 from safetensors.numpy import save_file
 
 from kiln.cli import main
@@ -121,6 +121,51 @@ def test_hand_packed_gptq_compiles_with_its_own_codes(tmp_path, checkpoints):
     assert m["verification"]["status"] == "passed"
 
 
+def in_two_shards(path):
+    """The checkpoint's model.safetensors split into two shards with an index."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    names = sorted(tensors)
+    halves = [names[:len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for i, part in enumerate(halves):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(path / file))
+        weight_map.update({n: file for n in part})
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def test_streamed_import_reads_shard_by_shard_to_the_same_artifact(tmp_path, checkpoints, monkeypatch):
+    """A sharded GPTQ checkpoint compiled with --stream: each Linear dequantized from its codes only when read, the
+    codes kept in a directory-backed codebook; the artifact packs exactly the in-memory import's codes, verifies,
+    and never held more than one layer plus the largest tensor of what it read."""
+    from kiln.compiler import lazy
+
+    path, expected = hand_packed_gptq(tmp_path, checkpoints, act_order=True)
+    in_two_shards(path)
+    made = []
+    real_init = lazy.LazyWeights.__init__
+    monkeypatch.setattr(lazy.LazyWeights, "__init__", lambda self, p: (real_init(self, p), made.append(self))[0])
+    streamed = compile(path, tmp_path / "streamed", fast_options(stream=True))
+    plain = compile(path, tmp_path / "plain", fast_options(stream=False))
+    m = json.loads((streamed / "manifest.json").read_text())
+    q = next(p for p in m["passes"] if p["name"] == "quantize-nbits")
+    assert m["model"]["source"]["format"] == "gptq (v1)" and q["int4"]["method"] == "imported gptq (v1)"
+    assert q["stats"]["given"] == 2 * 5 and m["verification"]["status"] == "passed"
+    assert "layer by layer" in m["verification"]["reference"]
+    assert packed_codes(streamed) == packed_codes(plain)
+    ckpt = load_checkpoint(path, stream=True)
+    for name, w in expected.items():
+        np.testing.assert_allclose(ckpt.weights.numpy(f"{name}.weight"), w, rtol=0, atol=1e-7)
+        assert f"{name}.qweight" not in ckpt.weights
+    per_layer = max(sum(w.size * 4 for n, w in expected.items() if f".layers.{i}." in n) for i in range(2))
+    largest = max(int(np.prod(e.shape)) * 4 for e in ckpt.weights.entries.values())
+    assert max(w.peak_bytes for w in made if w.reads) <= 2 * per_layer + largest  # norms too; never the whole model
+
+
 def test_compressed_tensors_pack_quantized(tmp_path, checkpoints):
     """llm-compressor's W4A16: weight_packed int32 (N, K / 8) along K, stored value = q + 8 for q in [-8, 8)."""
     rng = np.random.default_rng(3)
@@ -152,6 +197,11 @@ def test_compressed_tensors_pack_quantized(tmp_path, checkpoints):
     for name, w in expected.items():
         np.testing.assert_allclose(got[name].weight.detach().numpy(), w, rtol=0, atol=1e-7)
     assert ckpt.imported["format"] == "compressed-tensors pack-quantized"
+    streamed = load_checkpoint(out, stream=True)  # read module by module instead
+    assert streamed.imported == ckpt.imported
+    for name, w in expected.items():
+        np.testing.assert_allclose(streamed.weights.numpy(f"{name}.weight"), w, rtol=0, atol=1e-7)
+        assert streamed.codebook.find(np.ascontiguousarray(w.T)) is not None
 
 
 def test_export_then_import_gives_the_same_codes(tmp_path, checkpoints):

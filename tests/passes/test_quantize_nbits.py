@@ -235,3 +235,68 @@ def test_dequantize_form_needs_opset_21_and_symmetric_codes():
     assert out.SerializeToString() == model.SerializeToString()
     with pytest.raises(ValueError, match="positive"):
         QuantizeBlockwise(bits=4, grid="asym", form="dequantize")
+
+
+@pytest.mark.parametrize("act_order,asym", [(False, False), (True, True)])
+def test_weight_over_part_bytes_is_lowered_in_parts(monkeypatch, act_order, asym):
+    """A weight whose packed codes exceed PART_BYTES becomes MatMulNBits over slices of its outputs, concatenated:
+    the same function as one MatMulNBits (each part's initializers are slices of the whole's), and logits-to-keep
+    still slices the hidden states all parts read."""
+    from kiln.passes import quantize_nbits
+    from kiln.passes.logits_to_keep import INPUT, LogitsToKeep
+
+    rng = np.random.default_rng(5)
+    k, n = 64, 50
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"], name="head")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", k])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "S", n])],
+                          [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    q = rtn(w, 4, 16, "asym" if asym else "signed")
+    if act_order:
+        perm = rng.permutation(k)
+        p = rtn(w[perm], 4, 16, "asym" if asym else "signed")
+        q = Quantized(p.codes, p.scales, p.zeros, 4, 16, k, perm)
+    book = Codebook()
+    book.add(w, q)
+    make = lambda: QuantizeBlockwise(bits=4, block_size=16, accuracy_level=0, given=book,  # noqa: E731
+                                     grid="asym" if asym else "signed")
+    whole, _ = run_passes(model, [make()])
+    monkeypatch.setattr(quantize_nbits, "PART_BYTES", -(-q.codes.size // 2 // 3))  # three parts (17, 17, 16 outputs)
+    parts, record = run_passes(model, [make(), LogitsToKeep()])
+    assert record[0]["stats"]["split"] == 1 and record[0]["stats"]["quantized"] == 1
+    assert op_types(parts).count("MatMulNBits") == 3 and "Concat" in op_types(parts)
+    assert record[1]["stats"] == {"sliced": 1}
+    x = rng.standard_normal((2, 5, k)).astype(np.float32)
+    want = run_unoptimised(whole, {"x": x})[0]
+    np.testing.assert_array_equal(run_unoptimised(parts, {"x": x, INPUT: np.array(0, np.int64)})[0], want)
+    np.testing.assert_array_equal(run_unoptimised(parts, {"x": x, INPUT: np.array(2, np.int64)})[0], want[:, -2:])
+
+
+def test_codebook_on_disk_gives_back_what_it_was_given(tmp_path):
+    """A directory-backed codebook (streamed GPTQ, streamed imports) writes each entry (two 4-bit codes a byte) and
+    reads it back exactly; found by the weight, whole or packed along N."""
+    rng = np.random.default_rng(6)
+    w1, w2 = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((64, 16)).astype(np.float32)
+    q1 = rtn(w1, 4, 16, "asym")
+    p = rtn(w2[rng.permutation(64)], 4, 32, "signed")
+    q2 = Quantized(p.codes, p.scales, None, 4, 32, 64, rng.permutation(64))
+    book = Codebook(tmp_path)
+    key = book.add(w1, q1)
+    book.add(w2, q2)
+    assert len(list(tmp_path.iterdir())) == 2
+    with np.load(tmp_path / f"{key}.npz") as stored:
+        assert stored["codes"].nbytes * 2 == q1.codes.nbytes
+    for w, q in ((w1, q1), (w2, q2)):
+        got = book.find(w)
+        for field in ("codes", "scales", "zeros", "perm"):
+            a, b = getattr(got, field), getattr(q, field)
+            assert (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+        assert (got.bits, got.block_size, got.k) == (q.bits, q.block_size, q.k)
+    q3 = rtn(w2, 4, 16, "asym")
+    book.add(w2[:, :8].copy(), Quantized(q3.codes[:8], q3.scales[:8], q3.zeros[:8], 4, 16, 64))
+    book.add(w2[:, 8:].copy(), Quantized(q3.codes[8:], q3.scales[8:], q3.zeros[8:], 4, 16, 64))
+    packed = book.find(np.concatenate([w2[:, :8], w2[:, 8:]], 1) + 0)  # Q/K/V-style: side by side
+    assert packed is not None

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.compiler.lazy import Entry, LazyWeights
 from kiln.errors import CheckpointError
 from kiln.passes.quantize_nbits import Codebook, Quantized
 
@@ -134,60 +135,80 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+class Layout:
+    """How a GPTQ or compressed-tensors checkpoint stores its quantized Linears: the settings (checked against what
+    kiln reads), which modules are quantized, and each module's codes from its packed tensors."""
+
+    SUFFIXES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"),
+                "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx")}
+
+    def __init__(self, path: Path, qcfg: dict[str, Any]) -> None:
+        self.path, self.method = path, qcfg.get("quant_method")
+        if self.method == "gptq":
+            self.bits, self.group = int(qcfg.get("bits", 4)), int(qcfg.get("group_size", 128))
+            fmt = str(qcfg.get("checkpoint_format", "gptq")).lower()
+            if self.bits not in GPTQ_BITS or fmt not in ("gptq", "gptq_v2"):
+                raise CheckpointError(f"GPTQ checkpoint {path}: {self.bits}-bit, format {fmt}; kiln reads 4-bit GPTQ "
+                                      "in format gptq (v1) or gptq_v2")
+            self.v1, self.sym = fmt == "gptq", bool(qcfg.get("sym", True))
+            self.info = {"format": f"gptq ({'v1' if self.v1 else 'v2'})", "bits": self.bits, "group_size": self.group,
+                         "desc_act": bool(qcfg.get("desc_act", False)), "sym": self.sym}
+        elif self.method == "compressed-tensors":
+            if qcfg.get("format") != "pack-quantized":
+                raise CheckpointError(f"compressed-tensors checkpoint {path} has format {qcfg.get('format')!r}; kiln "
+                                      "reads pack-quantized (W4A16) only")
+            groups = list((qcfg.get("config_groups") or {}).values())
+            w = (groups[0] if groups else {}).get("weights") or {}
+            self.bits, self.group = int(w.get("num_bits", 4)), int(w.get("group_size") or -1)
+            if self.bits not in GPTQ_BITS or not w.get("symmetric", True) or w.get("type", "int") != "int" or \
+                    len(groups) != 1:
+                raise CheckpointError(f"compressed-tensors checkpoint {path}: {self.bits}-bit {w.get('type')} "
+                                      f"{'symmetric' if w.get('symmetric', True) else 'asymmetric'} in {len(groups)} "
+                                      "groups; kiln reads one group of symmetric 4-bit int weights")
+            self.info = {"format": "compressed-tensors pack-quantized", "bits": self.bits, "group_size": self.group,
+                         "sym": True}
+        else:
+            raise CheckpointError(f"checkpoint {path} is quantized with {self.method!r}; kiln compiles FP checkpoints, "
+                                  "GPTQ and compressed-tensors pack-quantized ones")
+        self.suffixes = self.SUFFIXES[self.method]
+
+    def modules(self, names: Any) -> list[str]:
+        """The quantized modules among the checkpoint's tensor ``names``; none is a one-line error."""
+        first = "." + self.suffixes[0]
+        found = sorted({k[:-len(first)] for k in names if k.endswith(first)})
+        if not found:
+            raise CheckpointError(f"checkpoint {self.path} declares {self.method} quantization but has no quantized "
+                                  "layers")
+        return found
+
+    def codes(self, name: str, t: dict[str, np.ndarray]) -> Quantized:
+        """One module's kernel codes from its packed tensors (by suffix)."""
+        if self.method == "gptq":
+            return from_gptq(t, self.bits, self.group, self.sym, self.v1, f"{self.path}: {name}")
+        if "weight_g_idx" in t:
+            raise CheckpointError(f"{self.path}: {name} carries weight_g_idx (activation ordering); kiln reads "
+                                  "compressed-tensors pack-quantized without it")
+        return from_compressed(t, self.bits, self.group, f"{self.path}: {name}")
+
+
 def dequantize_checkpoint(path: Path, cfg: dict[str, Any], qcfg: dict[str, Any], out: Path) -> tuple[Codebook, dict]:
     """Read a GPTQ or compressed-tensors checkpoint into an FP32 checkpoint directory at ``out`` (config without
-    ``quantization_config``, weights the codes dequantize to, tokenizer files copied) and the codes."""
+    ``quantization_config``, weights the codes dequantize to, tokenizer files copied) and the codes. The whole
+    checkpoint passes through memory: large ones are streamed instead (``DequantizedWeights``)."""
     import shutil
 
     from safetensors.numpy import save_file
 
-    method = qcfg.get("quant_method")
+    layout = Layout(path, qcfg)
     tensors = read_tensors(path)
-    book, plain, info = Codebook(), {}, {}
-    if method == "gptq":
-        bits, group = int(qcfg.get("bits", 4)), int(qcfg.get("group_size", 128))
-        fmt = str(qcfg.get("checkpoint_format", "gptq")).lower()
-        if bits not in GPTQ_BITS or fmt not in ("gptq", "gptq_v2"):
-            raise CheckpointError(f"GPTQ checkpoint {path}: {bits}-bit, format {fmt}; kiln reads 4-bit GPTQ in "
-                                  "format gptq (v1) or gptq_v2")
-        v1, sym = fmt == "gptq", bool(qcfg.get("sym", True))
-        layers = sorted({k[:-len(".qweight")] for k in tensors if k.endswith(".qweight")})
-        for name in layers:
-            t = {s: tensors.pop(f"{name}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx") if f"{name}.{s}" in tensors}
-            q = from_gptq(t, bits, group, sym, v1, f"{path}: {name}")
-            w = q.dequantize()  # (K, N)
-            book.add(w, q)
-            plain[f"{name}.weight"] = np.ascontiguousarray(w.T)
-        info = {"format": f"gptq ({'v1' if v1 else 'v2'})", "bits": bits, "group_size": group,
-                "desc_act": bool(qcfg.get("desc_act", False)), "sym": sym}
-    elif method == "compressed-tensors":
-        if qcfg.get("format") != "pack-quantized":
-            raise CheckpointError(f"compressed-tensors checkpoint {path} has format {qcfg.get('format')!r}; kiln reads "
-                                  "pack-quantized (W4A16) only")
-        groups = list((qcfg.get("config_groups") or {}).values())
-        w = (groups[0] if groups else {}).get("weights") or {}
-        bits, group = int(w.get("num_bits", 4)), int(w.get("group_size") or -1)
-        if bits not in GPTQ_BITS or not w.get("symmetric", True) or w.get("type", "int") != "int" or len(groups) != 1:
-            raise CheckpointError(f"compressed-tensors checkpoint {path}: {bits}-bit {w.get('type')} "
-                                  f"{'symmetric' if w.get('symmetric', True) else 'asymmetric'} in {len(groups)} groups; "
-                                  "kiln reads one group of symmetric 4-bit int weights")
-        layers = sorted({k[:-len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")})
-        for name in layers:
-            t = {s: tensors.pop(f"{name}.{s}") for s in ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx")
-                 if f"{name}.{s}" in tensors}
-            if "weight_g_idx" in t:
-                raise CheckpointError(f"{path}: {name} carries weight_g_idx (activation ordering); kiln reads "
-                                      "compressed-tensors pack-quantized without it")
-            q = from_compressed(t, bits, group, f"{path}: {name}")
-            wq = q.dequantize()
-            book.add(wq, q)
-            plain[f"{name}.weight"] = np.ascontiguousarray(wq.T)
-        info = {"format": "compressed-tensors pack-quantized", "bits": bits, "group_size": group, "sym": True}
-    else:
-        raise CheckpointError(f"checkpoint {path} is quantized with {method!r}; kiln compiles FP checkpoints, GPTQ and "
-                              "compressed-tensors pack-quantized ones")
-    if not layers:
-        raise CheckpointError(f"checkpoint {path} declares {method} quantization but has no quantized layers")
+    book, plain = Codebook(), {}
+    layers = layout.modules(tensors)
+    for name in layers:
+        t = {s: tensors.pop(f"{name}.{s}") for s in layout.suffixes if f"{name}.{s}" in tensors}
+        q = layout.codes(name, t)
+        w = q.dequantize()  # (K, N)
+        book.add(w, q)
+        plain[f"{name}.weight"] = np.ascontiguousarray(w.T)
     for key, v in tensors.items():
         plain[key] = v.astype(np.float32) if v.dtype in (np.float16,) or str(v.dtype) == "bfloat16" else v
     out.mkdir(parents=True, exist_ok=True)
@@ -199,8 +220,53 @@ def dequantize_checkpoint(path: Path, cfg: dict[str, Any], qcfg: dict[str, Any],
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "quantize_config.json") \
                 and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
-    info["layers"] = len(layers)
-    return book, info
+    return book, dict(layout.info, layers=len(layers))
+
+
+class DequantizedWeights(LazyWeights):
+    """A quantized checkpoint read shard by shard, as ``LazyWeights`` reads an FP one: each quantized Linear's packed
+    tensors are replaced by its ``NAME.weight``, dequantized from its codes (FP32, exact) when it is read; the other
+    tensors are read as they are. ``codebook`` reads every module's codes once (one module at a time) into a
+    directory-backed ``Codebook``."""
+
+    def __init__(self, path: Path, layout: Layout) -> None:
+        super().__init__(path)
+        self.layout = layout
+        self.packed: dict[str, dict[str, Entry]] = {}
+        for name in layout.modules(self.entries):
+            parts = {s: self.entries.pop(f"{name}.{s}") for s in layout.suffixes if f"{name}.{s}" in self.entries}
+            self.packed[name] = parts
+            self.entries[f"{name}.weight"] = Entry(next(iter(parts.values())).file, "F32", self._shape(name, parts))
+
+    def _shape(self, name: str, parts: dict[str, Entry]) -> tuple[int, int]:
+        """(N, K) of a quantized module's weight, from its packed tensors' shapes (compressed-tensors: its
+        weight_shape, which is read)."""
+        per = 32 // self.layout.bits
+        if "qweight" in parts:
+            rows, cols = parts["qweight"].shape
+            return cols, rows * per
+        if "weight_shape" in parts:
+            n, k = (int(v) for v in self.read(parts["weight_shape"], f"{name}.weight_shape").tolist())
+            return n, k
+        rows, cols = parts["weight_packed"].shape
+        return rows, cols * per
+
+    def quantized(self, name: str) -> Quantized:
+        parts = {s: self.read(e, f"{name}.{s}").numpy() for s, e in self.packed[name].items()}
+        return self.layout.codes(name, parts)
+
+    def torch(self, key: str) -> Any:
+        module = key[:-len(".weight")] if key.endswith(".weight") else None
+        if module in self.packed:
+            return self.own(self.quantized(module).dequantize().T)
+        return super().torch(key)
+
+    def codebook(self, directory: Path) -> Codebook:
+        book = Codebook(directory)
+        for name in self.packed:
+            q = self.quantized(name)
+            book.add(q.dequantize(), q)
+        return book
 
 
 def write_v1(model: Any, named: dict[str, Quantized], out: Path, qinfo: dict[str, Any], tokenizer: Any) -> None:
@@ -239,43 +305,3 @@ def write_v1(model: Any, named: dict[str, Quantized], out: Path, qinfo: dict[str
                                                          indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-
-
-def export(checkpoint: str | Path, output: str | Path, options: Any, say: Any) -> Path:
-    """``kiln export-gptq``: GPTQ (kiln's solver, ``options``' group size, act-order, symmetry, calibration) on
-    the checkpoint, written as a GPTQ v1 checkpoint at ``output`` (staged, renamed at the end)."""
-    from dataclasses import replace
-
-    from kiln.compiler.artifact import check_output, staging
-    from kiln.compiler.build import _check_options, model_facts
-    from kiln.compiler.load import load_checkpoint
-    from kiln.compiler.quantize.int8 import Driver, check_group_size
-    from kiln.compiler.scoped import torch_threads
-    from kiln.errors import UsageError
-
-    options = replace(options, precision="int4", quant_method="gptq")
-    _check_options(options)
-    if options.target != "cpu":
-        raise UsageError("export-gptq writes a checkpoint, not a target graph; drop --target")
-    output = Path(output).absolute()
-    check_output(output, options.force)
-    say(f"load {checkpoint}")
-    ckpt = load_checkpoint(checkpoint, options.task)
-    if ckpt.codebook is not None:
-        raise UsageError(f"{checkpoint} is already quantized ({ckpt.imported['format']}); export-gptq takes an FP checkpoint")
-    if ckpt.tokenizer is None:
-        raise UsageError(f"GPTQ calibrates on text read through the checkpoint's tokenizer; {ckpt.path} has none")
-    check_group_size(ckpt, options)
-    with staging(output, options.force) as root, torch_threads(options.threads):
-        driver = Driver(ckpt, model_facts(ckpt), options, say)
-        driver._gptq()
-        # the solver ran on a copy; write the original model with the solved layers replaced by their codes
-        qinfo = {"quant_method": "gptq", "bits": 4, "group_size": options.group_size or -1,
-                 "desc_act": bool(options.act_order), "sym": not options.asym, "true_sequential": True,
-                 "damp_percent": driver.gptq_info["damp"], "static_groups": bool(options.act_order), "checkpoint_format": "gptq",
-                 "quantizer": ["kiln"]}
-        write_v1(ckpt.model, driver.named, root, qinfo, ckpt.tokenizer)
-        say(f"{len(driver.named)} layers written as GPTQ v1 ({driver.gptq_info['windows']} calibration windows, "
-            f"{driver.gptq_info['seconds']:.0f}s)")
-    say(f"wrote {output}")
-    return output

@@ -10,14 +10,17 @@ tokenizer goes without, with a warning (``needs_data`` says when calibration is 
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
 from kiln.compiler import corpus
+from kiln.compiler.layerwise import LayerStream
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions, int4_defaults
 from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
@@ -67,6 +70,9 @@ class Driver:
         self.promoted_columns: set[str] = set()
         """Column keys of the weights an INT4 budget kept FP32 / promoted to INT8 (the fake-quantized reference too)."""
         self.named: dict[str, Any] = {}
+        self._solved: dict[str, str] = {}
+        """Streamed GPTQ: the codebook key of each solved weight, by the shell's parameter name."""
+        self._scratch: Any = None
         """The solver's codes by module name (``kiln export-gptq`` writes them)."""
         if ckpt.tokenizer is None:
             if needs_data(options):
@@ -89,10 +95,76 @@ class Driver:
     def statistics(self, model: onnx.ModelProto) -> Statistics:
         """Statistics of every quantizable MatMul's input, measured once per graph."""
         if self._stats is None or self._stats[0] is not model:
-            acts = sorted(set(candidates(model).values()))
-            self.say(f"calibrate: statistics of {len(acts)} activations on {self.info['tokens']} calibration tokens")
-            self._stats = (model, self.run_graph.statistics(model, acts, self.cal))
+            if self.ckpt.streamed:
+                self._stats = (model, self._streamed_statistics(model))
+            else:
+                acts = sorted(set(candidates(model).values()))
+                self.say(f"calibrate: statistics of {len(acts)} activations on {self.info['tokens']} calibration tokens")
+                self._stats = (model, self.run_graph.statistics(model, acts, self.cal))
         return self._stats[1]
+
+    def _streamed_statistics(self, model: onnx.ModelProto) -> Statistics:
+        """A streamed checkpoint's activation statistics without the FP32 graph in a session (4.4 GB of weights at
+        1.1B): the model runs layer by layer from the checkpoint (``layerwise``) over the calibration feeds, each
+        Linear's input channels' largest magnitude over the real tokens recorded under its weight's first column,
+        and each graph MatMul finds its activation's statistics by its weight's first column (a packed Q/K/V by Q's).
+        Channel maxima only: what outlier splitting reads (the static quantizer's ranges are not streamed)."""
+        import torch
+
+        from kiln.compiler import trace
+        from kiln.passes.calibration import TensorStats
+        from kiln.passes.graph import Graph
+        from kiln.passes.quantize_int8 import matmul_weight
+        from kiln.passes.quantize_nbits import weight_key
+
+        stream = LayerStream(self.ckpt, self.say)
+        module = trace.graph_module(self.ckpt)
+        names = [s.name for s in trace.io_specs(self.ckpt)[0]]
+        absmax: dict[str, np.ndarray] = {}
+        mask: list[Any] = [None]
+
+        def observe(linear: Any, args: tuple) -> None:
+            x = args[0].detach()
+            keep = mask[0]
+            rows = x[keep] if keep is not None and tuple(x.shape[:2]) == tuple(keep.shape) else x.reshape(-1, x.shape[-1])
+            ch = rows.abs().amax(0).float().numpy() if rows.numel() else None
+            if ch is None:
+                return
+            key = weight_key(linear.weight.detach().numpy().T[:, :1])
+            absmax[key] = ch if key not in absmax else np.maximum(absmax[key], ch)
+
+        def call(f: dict) -> Callable[[], Any]:
+            def run() -> Any:
+                mask[0] = torch.from_numpy(f["attention_mask"].astype(bool))
+                return module(*[torch.from_numpy(f[n]) for n in names if n in f])
+            return run
+
+        linears = [m for m in stream.shell.modules() if isinstance(m, torch.nn.Linear)]
+        hooks = [m.register_forward_pre_hook(observe) for m in linears]
+        self.say(f"calibrate: input channels of every Linear on {self.info['tokens']} calibration tokens, layer by layer "
+                 "from the checkpoint")
+        try:
+            calls = [call(f) for f in self.cal]
+            with stream.session():
+                states = stream.capture(calls)
+                for _, layer in stream.layers_filled("calibrate", len(states)):
+                    for j, (hidden, args, kwargs) in enumerate(states):
+                        mask[0] = torch.from_numpy(self.cal[j]["attention_mask"].astype(bool))
+                        out = layer(hidden, *args, **kwargs)
+                        states[j] = (out[0] if isinstance(out, tuple) else out, args, kwargs)
+                stream.finish(calls, states)
+        finally:
+            for h in hooks:
+                h.remove()
+        stats = Statistics()
+        g = Graph(model)
+        for node in g.g.node:
+            w = matmul_weight(g, node, 1024)
+            found = absmax.get(weight_key(w[:, :1])) if w is not None else None
+            if found is not None and found.shape == (w.shape[0],):
+                stats[node.input[0]] = TensorStats(channel_absmax=found)
+        self.say(f"calibrate: statistics of {len(stats)} activations")
+        return stats
 
     def run(self, name: str, model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
         """Build stage ``name`` from measurements of ``model`` and apply it."""
@@ -228,8 +300,9 @@ class Driver:
 
     def codes_transform(self) -> Callable[[str, Any], Any]:
         """``fake_quantized`` for a streamed checkpoint, one tensor at a time: (the shell's parameter name, FP32
-        value) -> what the artifact's codes dequantize to (round-to-nearest on the pass's grids: the blocks' Linears,
-        the head and the embedding table as ``fake_quantized`` treats them; anything else unchanged)."""
+        value) -> what the artifact's codes dequantize to (GPTQ's codes read back from its codebook; an imported
+        checkpoint's Linears as read, already dequantized from its codes; else round-to-nearest on the pass's grids: the blocks' Linears, the head and the embedding table as
+        ``fake_quantized`` treats them; anything else unchanged)."""
         import torch
 
         from kiln.compiler import lazy
@@ -246,7 +319,14 @@ class Driver:
         heads = {n for n in params if out_emb is not None and shell.get_submodule(n[:-7]) is out_emb}
         tables = {n for n in params if shell.get_submodule(n[:-7]) is shell.get_input_embeddings()}
 
+        solved = self._solved
+
         def transform(name: str, value: Any) -> Any:
+            if name in solved:  # GPTQ's codes, as solved from this very tensor
+                deq = self._codebook.get(solved[name]).dequantize()
+                return torch.from_numpy(deq if name in conv else np.ascontiguousarray(deq.T))
+            if name in linears and self.ckpt.codebook is not None:  # imported: read as what its codes dequantize to
+                return value
             if name in linears:
                 w_kn = value.numpy() if name in conv else value.numpy().T
                 deq = rtn(w_kn, rules.bits, rules.block_size, rules.grid).dequantize()
@@ -311,18 +391,32 @@ class Driver:
         settings = gptq.Settings(bits=4, group_size=o.group_size, grid="asym" if o.asym else
                                  "positive" if o.target == "tensorrt" else "signed", act_order=o.act_order)
         what = f"{n} texts" if self.facts.kind == "encoder" else f"{n} windows of {window} tokens"
-        self.say(f"gptq: {what}, group {o.group_size or 'per-row'}, "
-                 f"{'act-order, ' if settings.act_order else ''}{settings.grid} grid")
-        t0 = time.perf_counter()
-        model = copy.deepcopy(self.ckpt.model)
         head = build_pass("quantize-nbits", self.facts, o).head_bits == settings.bits  # --lm-head int4: solved too
-        self._codebook = gptq.quantize_model(model, batches, self.facts.num_layers, settings, self.say, named=self.named,
-                                             head=head)
-        self._fake = model  # the solver's weights: what the artifact's codes stand for (verification's second reference)
+        t0 = time.perf_counter()
+        compute = None
+        if self.ckpt.streamed:
+            compute = gptq.calibration_dtype()
+            self.say(f"gptq (streamed, one layer in memory at a time, calibration forward in "
+                     f"{str(compute).removeprefix('torch.')}): {what}, group {o.group_size or 'per-row'}, "
+                     f"{'act-order, ' if settings.act_order else ''}{settings.grid} grid")
+            self._scratch = tempfile.TemporaryDirectory(prefix="kiln-gptq-")
+            self._codebook = Codebook(Path(self._scratch.name))
+            stream = LayerStream(self.ckpt, self.say)
+            self._solved = gptq.quantize_streamed(stream, batches, settings, self._codebook, self.say, head=head,
+                                                  compute=compute)
+        else:
+            self.say(f"gptq: {what}, group {o.group_size or 'per-row'}, "
+                     f"{'act-order, ' if settings.act_order else ''}{settings.grid} grid")
+            model = copy.deepcopy(self.ckpt.model)
+            self._codebook = gptq.quantize_model(model, batches, self.facts.num_layers, settings, self.say,
+                                                 named=self.named, head=head)
+            self._fake = model  # the solver's weights: what the artifact's codes stand for (verification's second reference)
         self.gptq_info = {"windows": n, "window_tokens": window if self.facts.kind != "encoder" else "one text each",
                           "source": o.calibration or "(default Python docs sentences)",
                           "linears": len(self._codebook), "seconds": round(time.perf_counter() - t0, 1),
                           "damp": settings.damp, "mse_scale_search": settings.mse}
+        if compute is not None:
+            self.gptq_info.update(streamed=True, calibration_dtype=str(compute).removeprefix("torch."))
         return self._codebook
 
     def _layers(self, names: list[str]) -> list[list[str]] | None:

@@ -77,6 +77,17 @@ EXACT_SESSION = {"session.qdq_matmulnbits_accuracy_level": "0"}
 fuses blocked DequantizeLinear + MatMul into MatMulNBits, by default at accuracy level 4: this keeps that FP32 too."""
 
 
+def fp32_activations(model: Any) -> Any:
+    """The graph of INT4's codes check: every MatMulNBits of ``model`` (an onnx ModelProto) at accuracy_level 0
+    (FP32 activations), in place."""
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for a in node.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
+    return model
+
+
 ROUNDING_FACTOR = 3.0
 """FP32 only: a case over the abs bound still passes when the artifact is within this many times PyTorch's own
 FP32 rounding of the exact (FP64) answer, measured on that case. An ill-conditioned model (SmolLM2-135M with 20% of

@@ -1,14 +1,7 @@
 """The eager reference for checkpoints too large to hold: the decoder runs one layer at a time from the
 checkpoint (FP32 compute) over every verification input at once, as GPTQModel and llm-compressor run
 calibration. Only one layer's weights, the embeddings / final norm / head, and each input's hidden states are
-in memory at any point.
-
-How it stays generic: the model's own forward runs twice around the layer loop. First with its layer list
-replaced by a catcher that records what layer 0 receives (hidden states, mask, rotary tables, positions) and
-stops; then each real layer is filled from the checkpoint, applied to every recorded input, and emptied; last,
-the forward runs again with a layer that hands back the final hidden states, so the family's own norm, head
-and soft-capping produce the outputs. Every layer must take the same arguments (one mask type): a model
-whose layers differ (sliding and global layers) is refused with the reason.
+in memory at any point (``kiln.compiler.layerwise``).
 
 The generation check is teacher-forced over the artifact's own greedy tokens: the artifact generates through
 its KV cache, the reference scores the whole sequence in the same layer-by-layer pass, and each step's logits
@@ -18,165 +11,36 @@ and decisive tokens are compared (``generation.compare_steps``).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from kiln.compiler import lazy, trace
+from kiln.compiler.layerwise import LayerStream, Transform
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.verify.generation import compare_steps
 from kiln.compiler.verify.parity import TOLERANCES
-from kiln.errors import UnsupportedModelError
 from kiln.runtimes.generation import pad_rows
 
 log = logging.getLogger(__name__)
 
-Transform = Callable[[str, torch.Tensor], torch.Tensor]
-"""(the shell's parameter name, FP32 value) -> the value the reference computes with (INT4: the dequantized
-codes; a tied head and embedding table are quantized apart, so this goes by parameter, not checkpoint tensor)."""
 
-
-class _Caught(Exception):
-    pass
-
-
-class _Catcher(nn.Module):
-    def __init__(self, like: nn.Module) -> None:
-        super().__init__()
-        self.attention_type = getattr(like, "attention_type", None)
-        self.seen: tuple[torch.Tensor, tuple, dict] | None = None
-
-    def forward(self, hidden, *args, **kwargs):
-        self.seen = (hidden, args, kwargs)
-        raise _Caught
-
-
-class _Replay(nn.Module):
-    def __init__(self, like: nn.Module) -> None:
-        super().__init__()
-        self.attention_type = getattr(like, "attention_type", None)
-        self.value: torch.Tensor | None = None
-
-    def forward(self, hidden, *args, **kwargs):
-        return self.value
-
-
-class LayerStream:
-    """The reference model of a streamed checkpoint, run layer by layer over a list of feeds."""
-
-    def __init__(self, ckpt: Checkpoint, say: Callable[[str], None], transform: Transform | None = None) -> None:
-        self.ckpt = ckpt
-        self.say = say
-        self.transform = transform
-        self.shell = ckpt.model
-        self.weights: lazy.LazyWeights = ckpt.weights
-        lazy.to_meta(self.shell)  # the trace left fake tensors; parameters are filled from the checkpoint here
-        self.keys = lazy.parameter_keys(self.shell, self.weights)
-        self.layers, self.stack = lazy.layer_stack(self.shell)
-        types = {getattr(layer, "attention_type", None) for layer in self.layers}
-        if len(types) > 1:
-            raise UnsupportedModelError(
-                f"{ckpt.path}: its layers take different attention masks ({', '.join(sorted(map(str, types)))}); the "
-                "layer-by-layer reference needs one kind: compile it without --stream on a machine that holds it in FP32")
-        self.input_names = [s.name for s in trace.io_specs(ckpt)[0]]
-        self.output_names = [s.name for s in trace.io_specs(ckpt)[1]]
-
-    # --- weights in and out -----------------------------------------------------------------------
-    def _fill(self, root: nn.Module, prefix: str, names: list[str]) -> None:
-        """``root``'s parameters (by name relative to it; ``prefix`` makes them the shell's names) from the
-        checkpoint, tied ones sharing one tensor."""
-        done: dict[str, nn.Parameter] = {}  # one Parameter per tensor: tied parameters stay one object
-        for name in names:
-            key = self.keys[prefix + name]
-            share = key if self.transform is None else prefix + name
-            if share not in done:
-                value = self.weights.torch(key)
-                value = self.transform(prefix + name, value) if self.transform else value
-                done[share] = nn.Parameter(value, requires_grad=False)
-            owner, _, leaf = name.rpartition(".")
-            module = root.get_submodule(owner) if owner else root
-            module._parameters[leaf] = done[share]
-
-    def _outer(self, part: str) -> list[str]:
-        """Parameters outside the layer stack: ``"in"`` those the forward reaches before the first layer (the input
-        embeddings), ``"out"`` the rest (final norm, head). A tied head is both."""
-        prefix = self.stack + "."
-        first = {id(p) for p in self.shell.get_input_embeddings().parameters()}
-        head = self.shell.get_output_embeddings() if hasattr(self.shell, "get_output_embeddings") else None
-        last = {id(p) for p in head.parameters()} if head is not None else set()
-        return [n for n, p in self.shell.named_parameters(remove_duplicate=False) if not n.startswith(prefix) and
-                (id(p) in first if part == "in" else id(p) not in first or id(p) in last)]
-
-    def _placeholder_embeddings(self) -> None:
-        """The final pass replays each input's last hidden states, so the input embeddings it still looks up are
-        never used: an untied table becomes a zero row broadcast to its shape (no memory) instead of being read."""
-        for name, p in self.shell.get_input_embeddings().named_parameters():
-            if p.is_meta:
-                owner, _, leaf = name.rpartition(".")
-                module = self.shell.get_input_embeddings()
-                module = module.get_submodule(owner) if owner else module
-                module._parameters[leaf] = nn.Parameter(torch.zeros(1, *p.shape[1:]).expand(p.shape),
-                                                        requires_grad=False)
-
-    def _restore_buffers(self) -> None:
-        for name, value in self.ckpt.buffers.items():
-            owner, _, leaf = name.rpartition(".")
-            module = self.shell.get_submodule(owner) if owner else self.shell
-            module._buffers[leaf] = value.clone()
-
-    def _swap_stack(self, replacement: nn.ModuleList) -> None:
-        owner, _, leaf = self.stack.rpartition(".")
-        setattr(self.shell.get_submodule(owner) if owner else self.shell, leaf, replacement)
-
-    # --- the run ------------------------------------------------------------------------------------
-    def run_all(self, feeds: list[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Every feed's outputs (the traced wrapper's), computed one layer at a time."""
-        module = trace.graph_module(self.ckpt)
-        self._restore_buffers()
-        # the input embeddings for the capture, one layer at a time, the rest of the model for the end: never more
-        # than one layer's weights or the non-layer weights in memory at once
-        self._fill(self.shell, "", self._outer("in"))
-        catcher, replay = _Catcher(self.layers[0]), _Replay(self.layers[0])
-        states: list[tuple[torch.Tensor, tuple, dict]] = []
-        try:
-            with torch.inference_mode():
-                self._swap_stack(nn.ModuleList([catcher]))
-                for f in feeds:
-                    try:
-                        module(*[torch.from_numpy(f[n]) for n in self.input_names if n in f])
-                    except _Caught:
-                        pass
-                    if catcher.seen is None:
-                        raise UnsupportedModelError(f"{self.ckpt.path}: the model's forward never reached its first layer")
-                    states.append(catcher.seen)
-                    catcher.seen = None
-                lazy.to_meta(self.shell)
-                start, n = time.perf_counter(), len(self.layers)
-                for i, layer in enumerate(self.layers):
-                    self._fill(layer, f"{self.stack}.{i}.", [p for p, _ in layer.named_parameters()])
-                    for j, (hidden, args, kwargs) in enumerate(states):
-                        out = layer(hidden, *args, **kwargs)
-                        states[j] = (out[0] if isinstance(out, tuple) else out, args, kwargs)
-                    lazy.to_meta(layer)
-                    elapsed = time.perf_counter() - start
-                    self.say(f"reference layer {i + 1}/{n}: {len(states)} inputs, {elapsed:.0f} s elapsed, "
-                             f"~{elapsed / (i + 1) * (n - i - 1):.0f} s left")
-                self._swap_stack(nn.ModuleList([replay]))
-                self._fill(self.shell, "", self._outer("out"))
-                self._placeholder_embeddings()
-                results = []
-                for f, (hidden, _, _) in zip(feeds, states):
-                    replay.value = hidden
-                    outs = module(*[torch.from_numpy(f[n]) for n in self.input_names if n in f])
-                    results.append({n: o.float().numpy() for n, o in zip(self.output_names, outs)})
-                return results
-        finally:
-            self._swap_stack(self.layers)
-            lazy.to_meta(self.shell)
+def reference_outputs(ckpt: Checkpoint, feeds: list[Mapping[str, np.ndarray]], say: Callable[[str], None],
+                      transform: Transform | None = None) -> list[dict[str, np.ndarray]]:
+    """Every feed's outputs (the traced wrapper's), computed one layer at a time from the checkpoint (FP32)."""
+    stream = LayerStream(ckpt, say, transform)
+    module = trace.graph_module(ckpt)
+    input_names = [s.name for s in trace.io_specs(ckpt)[0]]
+    output_names = [s.name for s in trace.io_specs(ckpt)[1]]
+    calls = [lambda f=f: module(*[torch.from_numpy(f[n]) for n in input_names if n in f]) for f in feeds]
+    with stream.session():
+        states = stream.capture(calls)
+        for _, layer in stream.layers_filled("reference", len(states)):
+            stream.apply(layer, states)
+        outs = stream.finish(calls, states)
+    return [{n: o.float().numpy() for n, o in zip(output_names, out)} for out in outs]
 
 
 class Precomputed:
@@ -245,7 +109,7 @@ def verify_streamed(ckpt: Checkpoint, open_artifact: Callable[[], Any], cases: l
         feeds.append(gen[2])
     say(f"reference: {len(feeds)} inputs through {len(lazy.layer_stack(ckpt.model)[0])} layers, one layer in memory "
         "at a time")
-    outputs = LayerStream(ckpt, say, transform).run_all(feeds)
+    outputs = reference_outputs(ckpt, feeds, say, transform)
     with open_artifact() as artifact:
         report = verify(Precomputed(feeds, outputs), artifact, cases, precision, say)
         report["reference"] = "layer by layer from the checkpoint (streamed), FP32 compute"
