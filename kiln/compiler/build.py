@@ -359,9 +359,17 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
 
 
 def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) -> None:
+    drivers: list[int8.Driver] = []
+    try:
+        _build(ckpt, root, options, say, drivers)
+    finally:
+        for driver in drivers:  # a streamed GPTQ's codebook directory goes with the compile, whatever happened
+            driver.close()
+
+
+def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress, drivers: list[int8.Driver]) -> None:
     facts = model_facts(ckpt)
     names = recipe(ckpt.kind, options)
-    drivers: list[int8.Driver] = []
     if ckpt.kind == "seq2seq":
         data = _build_seq2seq(ckpt, facts, names, root, options, say)
     else:

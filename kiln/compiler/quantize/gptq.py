@@ -133,7 +133,6 @@ def solve(weight: Any, hessian: Any | None, s: Settings) -> tuple[Quantized, Any
     else:
         hinv = None
     blocks = -(-k // gs)
-    codes = torch.zeros((n, k), dtype=torch.float32)
     scales = torch.zeros((n, blocks), dtype=torch.float32)
     zeros = torch.zeros((n, blocks), dtype=torch.float32)
     per_row = gs >= k
@@ -146,27 +145,31 @@ def solve(weight: Any, hessian: Any | None, s: Settings) -> tuple[Quantized, Any
         for g in range(blocks):
             scales[:, g], zeros[:, g] = _grid_params(original[:, g * gs:(g + 1) * gs], s.bits, s.grid, s.mse)
         group_of = (perm // gs).tolist()  # solved column j belongs to input perm[j]'s group
+    # the column loop runs on the transpose: each column of W is a contiguous row, so the per-column rank-1 updates
+    # stream through memory (an (N, 128) block sliced by column was strided: 2.4x slower at N = 14336)
+    wt = w.T.contiguous()
+    del w
+    codes_t = torch.zeros((k, n), dtype=torch.float32)
     for i1 in range(0, k, step):
         i2 = min(i1 + step, k)
-        w1 = w[:, i1:i2].clone()
+        w1 = wt[i1:i2].clone()
         err1 = torch.zeros_like(w1)
         for i in range(i2 - i1):
             col = i1 + i
             if not per_row and not static and col % gs == 0:  # the group's parameters from its weights as updated so far
-                scales[:, col // gs], zeros[:, col // gs] = _grid_params(w1[:, i:i + gs], s.bits, s.grid, s.mse)
+                scales[:, col // gs], zeros[:, col // gs] = _grid_params(w1[i:i + gs].T, s.bits, s.grid, s.mse)
             g = group_of[col] if static else col // gs
             sc, zp = scales[:, g], zeros[:, g]
-            q = _codes(w1[:, i:i + 1], sc, zp, top)[:, 0]
-            codes[:, col] = q
+            q = torch.clamp(torch.round(w1[i] / sc) + zp, 0, top)
+            codes_t[col] = q
             if hinv is None:
                 continue
-            deq = (q - zp) * sc
-            d = hinv[col, col]
-            e = (w1[:, i] - deq) / d
-            w1[:, i:] -= e[:, None] * hinv[col, col:i2][None, :]
-            err1[:, i] = e
+            e = (w1[i] - (q - zp) * sc) / hinv[col, col]
+            w1[i:] -= hinv[col, col:i2, None] * e[None, :]
+            err1[i] = e
         if hinv is not None and i2 < k:
-            w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+            wt[i2:] -= hinv[i1:i2, i2:].T @ err1
+    codes = codes_t.T
     if static:
         codes = codes[:, torch.argsort(perm)]
         perm = None

@@ -92,6 +92,12 @@ class Driver:
         self.info = {"texts": len(cal_texts), "heldout_texts": len(held_texts),
                      "tokens": int(sum(f["attention_mask"].sum() for f in self.cal)), "source": source}
 
+    def close(self) -> None:
+        """Remove the scratch codebook of a streamed GPTQ (at the end of the compile)."""
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
     def statistics(self, model: onnx.ModelProto) -> Statistics:
         """Statistics of every quantizable MatMul's input, measured once per graph."""
         if self._stats is None or self._stats[0] is not model:
