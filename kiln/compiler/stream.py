@@ -38,8 +38,8 @@ STREAMED_PRECISIONS = ("fp32", "int8", "int4")
 def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
     """Whether this compile streams the checkpoint (``CompileOptions.stream``; auto: FP32 weights over
     ``STREAM_ABOVE``). Streaming takes decoders from safetensors on the CPU target at FP32, dynamic INT8 or INT4
-    (GPTQ or round-to-nearest); asking for it elsewhere is a usage error naming what is missing, and a large checkpoint that
-    auto cannot stream is said so before the whole model is loaded."""
+    (GPTQ or round-to-nearest), and already-quantized decoders; asking for it elsewhere is a usage error naming what
+    is missing, and a large checkpoint that auto cannot stream is said so before the whole model is loaded."""
     if options.stream is False or gguf.is_gguf(path) or not path.is_dir():
         return False
     raw = read_config(path)

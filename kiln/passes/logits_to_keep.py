@@ -6,7 +6,8 @@ hidden states before the head: ``K = 0`` (the default a runtime fills in) keeps 
 ``kiln report`` see the full logits; the generation loop feeds ``K = 1`` at prefill.
 
 Recognised: the graph output ``logits`` produced by the head (MatMul, MatMulNBits or Gemm over (batch,
-sequence, hidden), or a last-axis Concat of such parts over one input), optionally followed by elementwise ops with a constant operand (Granite's logits scaling).
+sequence, hidden), or a last-axis Concat of such parts over one input), optionally followed by elementwise ops
+with a constant operand (Granite's logits scaling).
 Anything else is refused with the reason and the graph is left as it was.
 """
 
@@ -64,7 +65,8 @@ class LogitsToKeep(Pass):
         return PassResult(g.model, True, {"sliced": 1})
 
     def _head(self, g: Graph) -> list[onnx.NodeProto]:
-        """The head node (or its parts): walk back from the output through constant-operand elementwise scaling (checks only)."""
+        """The head node (or its parts): walk back from the output through constant-operand elementwise scaling
+        (checks only)."""
         if self.output not in g.graph_outputs:
             raise NoMatch(f"the graph has no {self.output} output")
         cur = g.producer.get(self.output)

@@ -70,10 +70,11 @@ class Driver:
         self.promoted_columns: set[str] = set()
         """Column keys of the weights an INT4 budget kept FP32 / promoted to INT8 (the fake-quantized reference too)."""
         self.named: dict[str, Any] = {}
+        """The solver's codes by module name (``kiln export-gptq`` writes them)."""
         self._solved: dict[str, str] = {}
         """Streamed GPTQ: the codebook key of each solved weight, by the shell's parameter name."""
         self._scratch: Any = None
-        """The solver's codes by module name (``kiln export-gptq`` writes them)."""
+        """Streamed GPTQ: the TemporaryDirectory its codebook lives in (``close`` removes it)."""
         if ckpt.tokenizer is None:
             if needs_data(options):
                 raise UsageError(f"calibration reads text through the checkpoint's tokenizer; {ckpt.path} has none "
@@ -132,7 +133,8 @@ class Driver:
         def observe(linear: Any, args: tuple) -> None:
             x = args[0].detach()
             keep = mask[0]
-            rows = x[keep] if keep is not None and tuple(x.shape[:2]) == tuple(keep.shape) else x.reshape(-1, x.shape[-1])
+            real = keep is not None and tuple(x.shape[:2]) == tuple(keep.shape)
+            rows = x[keep] if real else x.reshape(-1, x.shape[-1])
             ch = rows.abs().amax(0).float().numpy() if rows.numel() else None
             if ch is None:
                 return
@@ -147,8 +149,8 @@ class Driver:
 
         linears = [m for m in stream.shell.modules() if isinstance(m, torch.nn.Linear)]
         hooks = [m.register_forward_pre_hook(observe) for m in linears]
-        self.say(f"calibrate: input channels of every Linear on {self.info['tokens']} calibration tokens, layer by layer "
-                 "from the checkpoint")
+        self.say(f"calibrate: input channels of every Linear on {self.info['tokens']} calibration tokens, layer by "
+                 "layer from the checkpoint")
         try:
             calls = [call(f) for f in self.cal]
             with stream.session():
@@ -307,8 +309,9 @@ class Driver:
     def codes_transform(self) -> Callable[[str, Any], Any]:
         """``fake_quantized`` for a streamed checkpoint, one tensor at a time: (the shell's parameter name, FP32
         value) -> what the artifact's codes dequantize to (GPTQ's codes read back from its codebook; an imported
-        checkpoint's Linears as read, already dequantized from its codes; else round-to-nearest on the pass's grids: the blocks' Linears, the head and the embedding table as
-        ``fake_quantized`` treats them; anything else unchanged)."""
+        checkpoint's Linears as read, already dequantized from its codes; else round-to-nearest on the pass's grids:
+        the blocks' Linears, the head and the embedding table as ``fake_quantized`` treats them; anything else
+        unchanged)."""
         import torch
 
         from kiln.compiler import lazy
