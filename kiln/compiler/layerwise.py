@@ -176,9 +176,11 @@ class LayerStream:
         """Drop every weight the shell holds (each parameter back to a meta tensor)."""
         lazy.to_meta(self.shell)
 
-    def apply(self, layer: nn.Module, states: list[State]) -> None:
-        """``layer`` on every state, in place (the next layer's inputs)."""
+    def apply(self, layer: nn.Module, states: list[State], before: Callable[[int], None] | None = None) -> None:
+        """``layer`` on every state, in place (the next layer's inputs); ``before(j)`` runs ahead of state j."""
         for j, (hidden, args, kwargs) in enumerate(states):
+            if before is not None:
+                before(j)
             out = layer(hidden, *args, **kwargs)
             states[j] = (out[0] if isinstance(out, tuple) else out, args, kwargs)
 

@@ -160,7 +160,7 @@ def solve(weight: Any, hessian: Any | None, s: Settings) -> tuple[Quantized, Any
                 scales[:, col // gs], zeros[:, col // gs] = _grid_params(w1[i:i + gs].T, s.bits, s.grid, s.mse)
             g = group_of[col] if static else col // gs
             sc, zp = scales[:, g], zeros[:, g]
-            q = torch.clamp(torch.round(w1[i] / sc) + zp, 0, top)
+            q = _codes(w1[i, :, None], sc, zp, top)[:, 0]
             codes_t[col] = q
             if hinv is None:
                 continue

@@ -155,11 +155,13 @@ class Driver:
             calls = [call(f) for f in self.cal]
             with stream.session():
                 states = stream.capture(calls)
+                masks = [torch.from_numpy(f["attention_mask"].astype(bool)) for f in self.cal]
+
+                def use_mask(j: int) -> None:
+                    mask[0] = masks[j]
+
                 for _, layer in stream.layers_filled("calibrate", len(states)):
-                    for j, (hidden, args, kwargs) in enumerate(states):
-                        mask[0] = torch.from_numpy(self.cal[j]["attention_mask"].astype(bool))
-                        out = layer(hidden, *args, **kwargs)
-                        states[j] = (out[0] if isinstance(out, tuple) else out, args, kwargs)
+                    stream.apply(layer, states, before=use_mask)
                 stream.finish(calls, states)
         finally:
             for h in hooks:
