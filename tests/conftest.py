@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,15 @@ CORPUS = [
     "def fibonacci(n):\n    a, b = 0, 1\n    return a\n", "Compilers rewrite graphs into faster operations.",
 ] * 4
 VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def scratch_under_pytest(tmp_path_factory, monkeypatch):
+    """Scratch directories a test leaves on purpose (a failed compile keeps its parity report for the user) land
+    under pytest's own temporary root, which pytest prunes, rather than in /tmp; child processes inherit it."""
+    scratch = tmp_path_factory.mktemp("scratch")
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setenv("TMPDIR", str(scratch))
 
 
 def make_tokenizer(kind: str):

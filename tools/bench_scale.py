@@ -49,9 +49,10 @@ DEFAULT_VARIANTS = {"1.1b": ["fp32", "int8", "int4-rtn", "int4"], "8b": ["int4-r
 
 
 def measured(cmd: list[str], log: Path) -> tuple[int, float, int]:
-    """Run ``cmd`` in a child (its output to ``log``); returns exit code, seconds and the child's peak RSS (bytes).
-    Through a one-line wrapper so ``RUSAGE_CHILDREN`` is that child's alone."""
-    wrapper = ("import resource, subprocess, sys, json; r = subprocess.run(sys.argv[1:]).returncode; "
+    """Run ``cmd`` in a child (its output and progress to ``log``, to follow with ``tail -f``); returns exit code,
+    seconds and the child's peak RSS (bytes). Through a one-line wrapper so ``RUSAGE_CHILDREN`` is that child's alone."""
+    wrapper = ("import resource, subprocess, sys, json; "
+               "r = subprocess.run(sys.argv[1:], stderr=subprocess.STDOUT).returncode; "
                "print(json.dumps([r, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]), file=sys.stderr)")
     t = time.perf_counter()
     with open(log, "w") as out:

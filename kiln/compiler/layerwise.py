@@ -1,5 +1,5 @@
-"""A streamed checkpoint's model run one decoder layer at a time, as GPTQModel and llm-compressor run
-calibration: only one layer's weights, the embeddings / final norm / head, and each input's hidden states are
+"""A streamed checkpoint's model (a decoder or an encoder) run one layer at a time, as GPTQModel and llm-compressor
+run calibration: only one layer's weights, the embeddings / final norm / head, and each input's hidden states are
 in memory at any point. The streamed reference (``verify.streamed``) and streamed GPTQ (``quantize.gptq``) both
 run on it.
 
@@ -48,13 +48,14 @@ class _Catcher(nn.Module):
 
 
 class _Replay(nn.Module):
-    def __init__(self, like: nn.Module) -> None:
+    def __init__(self, like: nn.Module, as_tuple: bool) -> None:
         super().__init__()
         self.attention_type = getattr(like, "attention_type", None)
         self.value: torch.Tensor | None = None
+        self.as_tuple = as_tuple  # what the real layers returned: the stack's loop indexes a tuple's first item
 
     def forward(self, hidden, *args, **kwargs):
-        return self.value
+        return (self.value,) if self.as_tuple else self.value
 
 
 class LayerStream:
@@ -71,6 +72,7 @@ class LayerStream:
         lazy.to_meta(self.shell)  # the trace left fake tensors; parameters are filled from the checkpoint here
         self.keys = lazy.parameter_keys(self.shell, self.weights)
         self.layers, self.stack = lazy.layer_stack(self.shell)
+        self._tuples = False  # whether the layers return tuples (older families) rather than the hidden states
         types = {getattr(layer, "attention_type", None) for layer in self.layers}
         if len(types) > 1:
             raise UnsupportedModelError(
@@ -97,14 +99,18 @@ class LayerStream:
             module._parameters[leaf] = done[share]
 
     def _outer(self, part: str) -> list[str]:
-        """Parameters outside the layer stack: ``"in"`` those the forward reaches before the first layer (the input
-        embeddings), ``"out"`` the rest (final norm, head). A tied head is both."""
+        """Parameters outside the layer stack. ``"in"``: all the forward may reach before the first layer (token
+        table, an encoder's position and type tables and embedding norm), so everything but an untied output head,
+        the one large tensor there; ``"out"``: what the final pass reads (norms, pooler, head), so everything but the
+        untied token table, which it never looks at (``_placeholder_embeddings``). A tied head is both."""
         prefix = self.stack + "."
-        first = {id(p) for p in self.shell.get_input_embeddings().parameters()}
+        table = {id(p) for p in self.shell.get_input_embeddings().parameters()}
         head = self.head()
         last = {id(p) for p in head.parameters()} if head is not None else set()
-        return [n for n, p in self.shell.named_parameters(remove_duplicate=False) if not n.startswith(prefix) and
-                (id(p) in first if part == "in" else id(p) not in first or id(p) in last)]
+        outer = [(n, p) for n, p in self.shell.named_parameters(remove_duplicate=False) if not n.startswith(prefix)]
+        if part == "in":
+            return [n for n, p in outer if id(p) in table or id(p) not in last]
+        return [n for n, p in outer if id(p) not in table or id(p) in last]
 
     def head(self) -> nn.Module | None:
         return self.shell.get_output_embeddings() if hasattr(self.shell, "get_output_embeddings") else None
@@ -182,12 +188,13 @@ class LayerStream:
             if before is not None:
                 before(j)
             out = layer(hidden, *args, **kwargs)
-            states[j] = (out[0] if isinstance(out, tuple) else out, args, kwargs)
+            self._tuples = isinstance(out, tuple)
+            states[j] = (out[0] if self._tuples else out, args, kwargs)
 
     def finish(self, calls: list[Callable[[], Any]], states: list[State]) -> list[Any]:
         """Each call of the model's forward again, its layers replaced by each state's final hidden states (the
         final norm and head in memory): what each call returns."""
-        replay = _Replay(self.layers[0])
+        replay = _Replay(self.layers[0], self._tuples)
         self._swap_stack(nn.ModuleList([replay]))
         self._fill(self.shell, "", self._outer("out"), self.dtype)
         self._placeholder_embeddings()

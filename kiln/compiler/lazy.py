@@ -206,7 +206,9 @@ def build_shell(config: Any, task: str, attention: str) -> tuple[Any, dict[str, 
     import transformers
     from accelerate import init_empty_weights
 
-    auto = {"feature-extraction": transformers.AutoModel, "causal-lm": transformers.AutoModelForCausalLM}[task]
+    auto = {"feature-extraction": transformers.AutoModel, "causal-lm": transformers.AutoModelForCausalLM,
+            "sequence-classification": transformers.AutoModelForSequenceClassification,
+            "token-classification": transformers.AutoModelForTokenClassification}[task]
     with init_empty_weights(include_buffers=False):
         shell = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
     shell.eval()
@@ -237,7 +239,7 @@ def parameter_keys(shell: Any, weights: LazyWeights) -> dict[str, str]:
 
 
 def layer_stack(shell: Any) -> tuple[Any, str]:
-    """The decoder's ModuleList of layers and its name (the longest ModuleList of the config's layer count)."""
+    """The model's ModuleList of layers and its name (the longest ModuleList of the config's layer count)."""
     import torch
 
     count = int(getattr(shell.config, "num_hidden_layers", 0) or 0)

@@ -37,9 +37,10 @@ STREAMED_PRECISIONS = ("fp32", "int8", "int4")
 
 def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
     """Whether this compile streams the checkpoint (``CompileOptions.stream``; auto: FP32 weights over
-    ``STREAM_ABOVE``). Streaming takes decoders from safetensors on the CPU target at FP32, dynamic INT8 or INT4
-    (GPTQ or round-to-nearest), and already-quantized decoders; asking for it elsewhere is a usage error naming what
-    is missing, and a large checkpoint that auto cannot stream is said so before the whole model is loaded."""
+    ``STREAM_ABOVE``). Streaming takes decoders and encoders from safetensors on the CPU target at FP32, dynamic
+    INT8 or INT4 (GPTQ or round-to-nearest), and already-quantized checkpoints; asking for it elsewhere is a usage
+    error naming what is missing, and a large checkpoint that auto cannot stream is said so before the whole model
+    is loaded."""
     if options.stream is False or gguf.is_gguf(path) or not path.is_dir():
         return False
     raw = read_config(path)
@@ -47,12 +48,13 @@ def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
     archs = raw.get("architectures") or [""]
     kind = model_kind(path, raw, archs[0])
     size = None
-    if kind == "decoder":
+    if kind != "seq2seq":
         check_weights(path)  # headers and shards checked before any header is trusted
         size = lazy.fp32_weight_bytes(path)
         if qcfg is not None and size is not None:  # what its Linears dequantize to
             size = gptq_format.DequantizedWeights(path, gptq_format.Layout(path, qcfg)).fp32_bytes()
-    why = ("it is not a decoder" if kind != "decoder" else "its weights are not safetensors" if size is None else
+    why = ("encoder-decoders are not streamed yet" if kind == "seq2seq" else
+           "its weights are not safetensors" if size is None else
            f"--precision {options.precision} with these settings is not streamed yet (fp32, dynamic int8 and int4 "
            "are)"
            if options.precision not in STREAMED_PRECISIONS or options.static or options.smoothquant is not None else

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -111,11 +112,14 @@ def reverify(ckpt_path, artifact, tmp_path, mutate) -> tuple[dict, dict]:
     inputs = [s.name for s in trace.io_specs(ckpt)[0]]
     feeds = cases.text_cases(ckpt, inputs) + cases.random_cases(ckpt, inputs, 128, 0)
     exact = exact_copy(out)
-    (exact / "manifest.json").unlink()
-    write_manifest(exact, data)
-    with kr.load(out, threads=2) as model, kr.load(exact, threads=2, session_config=EXACT_SESSION) as exact_model:
-        return (verify(trace.EagerRunner(ckpt), model, feeds, "int4"),
-                verify(trace.EagerRunner(dataclasses.replace(ckpt, model=fake)), exact_model, feeds, "int4-codes"))
+    try:
+        (exact / "manifest.json").unlink()
+        write_manifest(exact, data)
+        with kr.load(out, threads=2) as model, kr.load(exact, threads=2, session_config=EXACT_SESSION) as exact_model:
+            return (verify(trace.EagerRunner(ckpt), model, feeds, "int4"),
+                    verify(trace.EagerRunner(dataclasses.replace(ckpt, model=fake)), exact_model, feeds, "int4-codes"))
+    finally:
+        shutil.rmtree(exact)
 
 
 def int4_scales(model):

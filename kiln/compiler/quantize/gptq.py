@@ -287,11 +287,12 @@ Solved = Callable[[str, np.ndarray, Quantized], None]
 
 
 def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: Settings, solved: Solved,
-                   skip: Callable[[str], bool] = lambda name: False, compute: Any = None) -> int:
+                   skip: Callable[[str], bool] = lambda name: False, compute: Any = None, feed: bool = True) -> int:
     """GPTQ (or RTN) of one Transformer block's Linears on its inputs ``states`` (hidden states, other arguments,
-    keyword arguments), which become the quantized block's outputs (the next block's inputs). Each Linear's
-    weight becomes what its codes dequantize to. ``compute``: the torch dtype the block runs in (None: its own);
-    the Linears are solved from their FP32 weights as the block holds them on entry. Returns the Linears solved."""
+    keyword arguments), which become the quantized block's outputs (the next block's inputs; ``feed=False``: the
+    caller runs the block on them itself). Each Linear's weight becomes what its codes dequantize to. ``compute``:
+    the torch dtype the block runs in (None: its own); the Linears are solved from their FP32 weights as the block
+    holds them on entry. Returns the Linears solved."""
     import torch
 
     linears = {name: m for name, m in block.named_modules() if is_linear(m) and not skip(name)}
@@ -327,8 +328,9 @@ def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: 
                 m.weight.copy_((deq.T if conv else deq).to(m.weight.dtype))
                 solved(name, original, q)
                 hess.pop(name, None)
-        for j, (h, (a, kw)) in enumerate(zip(hidden, rest)):
-            states[j] = (_first(block(h, *a, **kw)), a, kw)
+        if feed:
+            for j, (h, (a, kw)) in enumerate(zip(hidden, rest)):
+                states[j] = (_first(block(h, *a, **kw)), a, kw)
     return len(linears)
 
 
@@ -353,7 +355,8 @@ def quantize_streamed(stream: Any, windows: Sequence[dict[str, Any]], settings: 
             def solved(name: str, original: Any, q: Quantized, i: int = i) -> None:
                 keys[f"{stream.stack}.{i}.{name}.weight"] = book.add(original, q)
 
-            quantize_block(layer, states, settings, solved, compute=compute)
+            quantize_block(layer, states, settings, solved, compute=compute, feed=False)
+            stream.apply(layer, states)  # the quantized layer's outputs feed the next one
         out = stream.head()
         if head and isinstance(out, torch.nn.Linear):
             hess = _Hessian(out.in_features)

@@ -1,4 +1,4 @@
-"""The eager reference for checkpoints too large to hold: the decoder runs one layer at a time from the
+"""The eager reference for checkpoints too large to hold: the model runs one layer at a time from the
 checkpoint (FP32 compute) over every verification input at once, as GPTQModel and llm-compressor run
 calibration. Only one layer's weights, the embeddings / final norm / head, and each input's hidden states are
 in memory at any point (``kiln.compiler.layerwise``).
