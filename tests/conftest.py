@@ -98,6 +98,14 @@ def make_model(family: str, head: str):
     elif family == "stablelm":  # partial rotary (25% of each head): GroupQueryAttention cannot take it
         cfg = T.StableLmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                intermediate_size=128, max_position_embeddings=128, **common)
+    elif family == "qwen3":  # per-head RMSNorm on q and k, before the head split's Transpose
+        cfg = T.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=128, max_position_embeddings=128, **common)
+    elif family == "gemma3_text":  # q/k norms after the Transpose, sliding + global layers, scaled embeddings
+        cfg = T.Gemma3TextConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, max_position_embeddings=128, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1,
+                                 bos_token_id=2, **common)
     elif family == "t5":
         cfg = T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, n_positions=128, **common)

@@ -15,6 +15,11 @@ Left padding: the kernel numbers positions from the start of the row, while the 
 numbers real tokens from 0. Rotary attention scores depend only on position differences, and
 padded keys are masked, so real tokens see the same scores (checked end to end by verification).
 
+Per-head norms on Q and K (Qwen3, Gemma 3, OLMo 2: an RMSNorm over each head's features before rotary,
+traced before or after the head split's Transpose): the kernel rotates what it is given, so the norms move in
+front of it, on the projections' outputs viewed as (B, S, heads, head size), and Q, K and V reach the kernel
+as three inputs (the projections stay apart; packing them would need a Split after the MatMul).
+
 Why not onnxscript's ``ort_fusions`` gqa/rotary rules: on the opset-23 dynamo export of Llama they fuse
 nothing (gqa 0, rotary_embedding 0, measured with onnxscript 0.7.2): they expect the explicit chains.
 """
@@ -30,6 +35,7 @@ from kiln.passes.fuse_attention import NoMatch, match_head_split, match_linear, 
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
 
 _COMPARISONS = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
+_HEAD_NORMS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
 
 
 def _ancestor_ops(g: Graph, value: str) -> set[str]:
@@ -83,10 +89,23 @@ class FuseGroupQueryAttention(Pass):
         return PassResult(g.model, fused > 0, {"fused": fused, "rotary": rotary, "packed_qkv": packed}, skipped)
 
     # --- matching ------------------------------------------------------------------------
-    def _heads_source(self, g: Graph, value: str, role: str) -> tuple[str, onnx.NodeProto | None, list[onnx.NodeProto]]:
-        """Walk back from an Attention input: [repeat_kv] <- [RotaryEmbedding] <- head split -> 3-D source.
+    @staticmethod
+    def _head_norms(g: Graph, value: str) -> tuple[str, list[onnx.NodeProto]]:
+        """Norms over the last axis (each head's features) ending at ``value``: (their input, the norms, input first)."""
+        norms: list[onnx.NodeProto] = []
+        while (p := g.producer.get(value)) is not None and p.op_type in _HEAD_NORMS and attr(p, "axis", -1) in (-1, 3) \
+                and sum(1 for o in p.output if o) == 1:
+            norms.insert(0, p)
+            value = p.input[0]
+        return value, norms
 
-        Returns the source and the nodes between it and the Attention, input first."""
+    def _heads_source(self, g: Graph, value: str, role: str
+                      ) -> tuple[str, onnx.NodeProto | None, list[onnx.NodeProto], list[onnx.NodeProto]]:
+        """Walk back from an Attention input: [repeat_kv] <- [RotaryEmbedding] <- [head norms] <- head split (its
+        Transpose may have head norms on either side) -> 3-D source.
+
+        Returns the source, the rotary node, the nodes between the source and the Attention (input first) and the
+        head norms among them (input first)."""
         nodes: list[onnx.NodeProto] = []
         cur = g.producer.get(value)
         if role != "q" and cur is not None and cur.op_type == "Reshape":  # repeat_kv: Unsqueeze -> Expand -> Reshape
@@ -107,8 +126,18 @@ class FuseGroupQueryAttention(Pass):
             rope = cur
             nodes.insert(0, rope)
             value = rope.input[0]
+        value, after = self._head_norms(g, value)  # Gemma 3: normed after the Transpose
+        tr = g.producer.get(value)
+        before: list[onnx.NodeProto] = []
+        if tr is not None and tr.op_type == "Transpose":  # Qwen3: normed between the Reshape and the Transpose
+            inner, before = self._head_norms(g, tr.input[0])
+            if before:
+                rs = g.producer.get(inner)
+                if rs is None or rs.op_type != "Reshape" or list(attr(tr, "perm", [])) != [0, 2, 1, 3]:
+                    raise NoMatch(f"head split of {value} is not Reshape, norm, Transpose [0, 2, 1, 3]")
+                return rs.input[0], rope, [rs, *before, tr, *after, *nodes], before + after
         x3d, split = match_head_split(g, value)
-        return x3d, rope, split + nodes
+        return x3d, rope, split + after + nodes, after
 
     def _rotary(self, g: Graph, q_rope: onnx.NodeProto | None, k_rope: onnx.NodeProto | None, head_size: int):
         if q_rope is None and k_rope is None:
@@ -169,9 +198,11 @@ class FuseGroupQueryAttention(Pass):
                 raise NoMatch(f"mask {core.mask} depends on inputs other than {self.mask_input}")
             if not _ancestor_ops(g, core.mask) & _COMPARISONS:
                 raise NoMatch(f"mask {core.mask} compares no positions, so it is not causal")
-        q3, q_rope, q_nodes = self._heads_source(g, core.q, "q")
-        k3, k_rope, k_nodes = self._heads_source(g, core.k, "k")
-        v3, _, v_nodes = self._heads_source(g, core.v, "v")
+        q3, q_rope, q_nodes, q_norms = self._heads_source(g, core.q, "q")
+        k3, k_rope, k_nodes, k_norms = self._heads_source(g, core.k, "k")
+        v3, _, v_nodes, v_norms = self._heads_source(g, core.v, "v")
+        if v_norms:
+            raise NoMatch("V is normed per head; only Q and K norms are moved in front of the kernel")
         merge_tr = g.only_consumer(core.out, "Transpose")
         merge_rs = g.only_consumer(merge_tr.output[0], "Reshape") if merge_tr is not None else None
         if merge_tr is None or list(attr(merge_tr, "perm", [])) != [0, 2, 1, 3] or merge_rs is None:
@@ -185,12 +216,25 @@ class FuseGroupQueryAttention(Pass):
             raise NoMatch(f"query width {hidden} is not divisible by {heads} heads")
         if head_size % 16:
             raise NoMatch(f"head size {head_size} is not a multiple of 16, which GroupQueryAttention requires")
+        for norm in q_norms + k_norms:
+            for i in norm.input[1:]:
+                c = g.shape_of_constant(i) if i else None
+                if i and (c is None or c not in ((head_size,), (1,), ())):
+                    raise NoMatch(f"head norm {norm.name} takes {i}, not a constant of the head size {head_size}")
+        if (q_norms or k_norms) and packing[0] == "split":
+            raise NoMatch("Q/K norms on a packed QKV tensor the model splits itself are not moved")
         rope = self._rotary(g, q_rope, k_rope, head_size)
         for nodes in (q_nodes, k_nodes, v_nodes):
             sole_users(g, nodes + [node])
         # --- every check passed: from here on the graph changes
-        qkv, proj_nodes = self._emit_pack(g, packing)
-        new: list[onnx.NodeProto] = list(proj_nodes["new"])
+        new: list[onnx.NodeProto] = []
+        if q_norms or k_norms:  # the projections stay apart; the norms run on (B, S, heads, head size) views
+            qkv = [self._emit_norms(g, new, q3, q_norms, head_size), self._emit_norms(g, new, k3, k_norms, head_size),
+                   v3]
+            proj_nodes: dict[str, list[onnx.NodeProto]] = {"new": [], "old": []}
+        else:
+            qkv, proj_nodes = self._emit_pack(g, packing)
+        new += proj_nodes["new"]
         bias = self._padding_bias(g, new, shared)
         seqlens, total = self._lengths(g, new, shared)
         cos = sin = ""
@@ -210,6 +254,26 @@ class FuseGroupQueryAttention(Pass):
         new.append(helper.make_node("Reshape", [out, merge_rs.input[1]], [merge_rs.output[0]], name=merge_rs.name))
         remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs]
         return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
+
+    @staticmethod
+    def _emit_norms(g: Graph, new: list, x3d: str, norms: list[onnx.NodeProto], head_size: int) -> str:
+        """``norms`` (copied, in order) on ``x3d`` (B, S, H * hd) viewed as (B, S, H, hd), flattened back."""
+        if not norms:
+            return x3d
+        heads = g.add_initializer("head_view", np.array([0, 0, -1, head_size], np.int64))
+        flat = g.add_initializer("head_flat", np.array([0, 0, -1], np.int64))
+        cur = g.fresh(f"{x3d}_heads")
+        new.append(helper.make_node("Reshape", [x3d, heads], [cur], name=g.fresh("HeadView")))
+        for norm in norms:
+            out = g.fresh(f"{norm.output[0]}_bshd")
+            copy = helper.make_node(norm.op_type, [cur, *norm.input[1:]], [out], name=g.fresh(norm.name or "HeadNorm"),
+                                    domain=norm.domain)
+            copy.attribute.extend(norm.attribute)
+            new.append(copy)
+            cur = out
+        out = g.fresh(f"{x3d}_normed")
+        new.append(helper.make_node("Reshape", [cur, flat], [out], name=g.fresh("HeadFlat")))
+        return out
 
     def _match_pack(self, g: Graph, q3: str, k3: str, v3: str, hq: int):
         """How Q, K, V reach the kernel as one packed (B, S, (H + 2 KV) hd) input: the model's own packed

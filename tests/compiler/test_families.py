@@ -12,7 +12,8 @@ from kiln.cli import main
 from kiln.compiler import compile
 
 NEW = [("electra", "base", "fuse-attention"), ("xlm-roberta", "base", "fuse-attention"),
-       ("granite", "causal-lm", "fuse-gqa"), ("olmo", "causal-lm", "fuse-gqa"), ("starcoder2", "causal-lm", "fuse-gqa")]
+       ("granite", "causal-lm", "fuse-gqa"), ("olmo", "causal-lm", "fuse-gqa"), ("starcoder2", "causal-lm", "fuse-gqa"),
+       ("qwen3", "causal-lm", "fuse-gqa"), ("gemma3_text", "causal-lm", "fuse-gqa")]
 
 
 @pytest.mark.parametrize("family,head,rule", NEW, ids=[f for f, _, _ in NEW])
@@ -29,6 +30,22 @@ def test_new_family_compiles_with_full_coverage(tmp_path, family, head, rule):
         assert gen["tokens_identical"] and gen["steps"] == 16 and gen["max_abs_over_atol"] <= 1
     else:
         assert manifest["verification"]["summary"]["last_hidden_state"]["max_abs"] <= 1e-4
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_head_norm_families_quantize(tmp_path, family, precision):
+    """Q/K-normed families (Gemma 3 with a sliding and a global layer) quantize with full coverage, parity and the
+    KV-cache generation check."""
+    ckpt = save_checkpoint(tmp_path / family, family, "causal-lm")
+    out = compile(ckpt, tmp_path / "art", fast_options(precision=precision))
+    manifest = json.loads((out / "manifest.json").read_text())
+    passes = {p["name"]: p for p in manifest["passes"]}
+    assert manifest["verification"]["status"] == "passed" and manifest["verification"]["generation"]["steps"] == 16
+    assert passes["fuse-gqa"]["coverage"] == {"expected": 2, "fused": 2}
+    assert passes["kv-cache"]["coverage"] == {"expected": 2, "fused": 2}
+    q = passes["quantize-nbits"]["stats"]
+    assert q["bits"] == (8 if precision == "int8" else 4) and q["quantized"] >= 2 * 4
 
 
 def test_partial_rotary_fails_naming_the_rule_and_why(tmp_path, capsys):

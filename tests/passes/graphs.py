@@ -129,9 +129,12 @@ HD = 16  # GroupQueryAttention needs a head size that is a multiple of 16
 
 
 def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int = HD, rotary: bool = True,
-                            packed: bool = False, causal: bool = True, bias: bool = True, seed: int = 0) -> onnx.ModelProto:
+                            packed: bool = False, causal: bool = True, bias: bool = True, seed: int = 0,
+                            head_norm: str | None = None) -> onnx.ModelProto:
     """One decoder self-attention layer as torch.onnx exports it: projections (or a packed Split), head split,
-    RotaryEmbedding from mask-derived positions, repeat_kv, Attention-23 with a causal & padding bool mask, merge."""
+    RotaryEmbedding from mask-derived positions, repeat_kv, Attention-23 with a causal & padding bool mask, merge.
+    ``head_norm``: an RMSNorm over each head's features on Q and K, ``"before"`` the head split's Transpose (Qwen3)
+    or ``"after"`` it (Gemma 3)."""
     rng = np.random.default_rng(seed)
     d = q_heads * head_size
     widths = {"q": d, "k": kv_heads * head_size, "v": kv_heads * head_size}
@@ -159,8 +162,21 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
     heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
     for t in widths:
         inits.append(_init(f"{t}_shape", np.array([0, 0, heads[t], head_size], np.int64)))
-        nodes += [helper.make_node("Reshape", [src[t], f"{t}_shape"], [f"{t}_heads"], name=f"{t}_reshape"),
-                  helper.make_node("Transpose", [f"{t}_heads"], [f"{t}_t"], name=f"{t}_t", perm=[0, 2, 1, 3])]
+        normed = head_norm is not None and t != "v"
+        if normed:
+            inits.append(_init(f"{t}_norm_w", (1 + rng.standard_normal(head_size) * 0.3).astype(np.float32)))
+        norm = helper.make_node("RMSNormalization", [f"{t}_pre", f"{t}_norm_w"], [f"{t}_post"], name=f"{t}_norm",
+                                axis=-1, epsilon=1e-6)
+        split = f"{t}_pre" if normed and head_norm == "before" else f"{t}_heads"
+        nodes.append(helper.make_node("Reshape", [src[t], f"{t}_shape"], [split], name=f"{t}_reshape"))
+        if normed and head_norm == "before":
+            norm.output[0] = f"{t}_heads"
+            nodes.append(norm)
+        transposed = f"{t}_pre" if normed and head_norm == "after" else f"{t}_t"
+        nodes.append(helper.make_node("Transpose", [f"{t}_heads"], [transposed], name=f"{t}_t", perm=[0, 2, 1, 3]))
+        if normed and head_norm == "after":
+            norm.output[0] = f"{t}_t"
+            nodes.append(norm)
     # positions = cumsum(mask) - 1, clipped at 0; angles = positions x inv_freq
     inv_freq = (1.0 / 10000 ** (np.arange(0, head_size, 2) / head_size)).astype(np.float32)
     inits.append(_init("inv_freq", inv_freq))

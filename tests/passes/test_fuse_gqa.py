@@ -37,6 +37,33 @@ def test_fuses_rotary_gqa_and_matches_unfused(q_heads, kv_heads, bias):
     assert_matches_unfused(model, fused, q_heads * HD)
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_head_norms_move_in_front_of_the_kernel_and_match_unfused(where):
+    """Per-head RMSNorms on Q and K (Qwen3 before the Transpose, Gemma 3 after it) run on the projections'
+    outputs viewed as (B, S, heads, head size); rotary stays in the kernel; Q, K and V are three inputs."""
+    model = decoder_attention_graph(4, 2, head_norm=where)
+    fused, record = run_passes(model, [gqa(4, 2)])
+    assert record[0]["stats"] == {"fused": 1, "rotary": 1, "packed_qkv": 0}
+    ops = op_types(fused)
+    assert ops.count("RMSNormalization") == 2 and ops.count("MatMul") == 3
+    assert {"Attention", "RotaryEmbedding", "Transpose"}.isdisjoint(ops)
+    node = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")
+    assert len([i for i in node.input[:3] if i]) == 3
+    assert_matches_unfused(model, fused, 4 * HD)
+
+
+def test_head_norm_with_a_per_channel_scale_is_refused_unchanged():
+    """A norm whose scale is not one value per head feature cannot move: refused, graph untouched."""
+    from onnx import numpy_helper
+
+    model = decoder_attention_graph(2, 1, head_norm="before")
+    w = next(t for t in model.graph.initializer if t.name == "q_norm_w")
+    w.CopyFrom(numpy_helper.from_array(np.ones((2, HD), np.float32), "q_norm_w"))
+    out, record = run_passes(model, [gqa()])
+    assert record[0]["modified"] is False and "not a constant of the head size" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == model.SerializeToString()
+
+
 def test_packed_split_without_rotary_matches_unfused():
     model = decoder_attention_graph(2, 2, rotary=False, packed=True)
     fused, record = run_passes(model, [gqa(2, 2)])
