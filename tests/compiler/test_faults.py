@@ -32,9 +32,13 @@ def leftovers(parent: Path, name: str) -> list[str]:
 
 
 def compile_until(ckpt: Path, out: Path, marker: str) -> subprocess.Popen:
-    """Start ``kiln compile`` in a child process and return once its progress shows ``marker`` (mid-build)."""
+    """Start ``kiln compile`` in a child process and return once its progress shows ``marker`` (mid-build).
+
+    The child gets SIGINT's default action back: a shell without job control starts background commands (``make
+    test &``) with SIGINT ignored, which the child would inherit, and Python then never raises KeyboardInterrupt."""
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "compile", str(ckpt), "-o", str(out), "--threads", "1"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
