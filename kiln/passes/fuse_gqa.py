@@ -229,8 +229,8 @@ class FuseGroupQueryAttention(Pass):
         # --- every check passed: from here on the graph changes
         new: list[onnx.NodeProto] = []
         if q_norms or k_norms:  # the projections stay apart; the norms run on (B, S, heads, head size) views
-            qkv = [self._emit_norms(g, new, q3, q_norms, head_size), self._emit_norms(g, new, k3, k_norms, head_size),
-                   v3]
+            qkv = [self._emit_norms(g, new, q3, q_norms, head_size, shared),
+                   self._emit_norms(g, new, k3, k_norms, head_size, shared), v3]
             proj_nodes: dict[str, list[onnx.NodeProto]] = {"new": [], "old": []}
         else:
             qkv, proj_nodes = self._emit_pack(g, packing)
@@ -256,12 +256,18 @@ class FuseGroupQueryAttention(Pass):
         return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
 
     @staticmethod
-    def _emit_norms(g: Graph, new: list, x3d: str, norms: list[onnx.NodeProto], head_size: int) -> str:
-        """``norms`` (copied, in order) on ``x3d`` (B, S, H * hd) viewed as (B, S, H, hd), flattened back."""
+    def _emit_norms(g: Graph, new: list, x3d: str, norms: list[onnx.NodeProto], head_size: int,
+                    shared: dict[str, str]) -> str:
+        """``norms`` (copied, in order) on ``x3d`` (B, S, H * hd) viewed as (B, S, H, hd), flattened back; the two
+        shape constants are made once per graph."""
         if not norms:
             return x3d
-        heads = g.add_initializer("head_view", np.array([0, 0, -1, head_size], np.int64))
-        flat = g.add_initializer("head_flat", np.array([0, 0, -1], np.int64))
+        key = f"head_view:{head_size}"
+        if key not in shared:
+            shared[key] = g.add_initializer("head_view", np.array([0, 0, -1, head_size], np.int64))
+        if "head_flat" not in shared:
+            shared["head_flat"] = g.add_initializer("head_flat", np.array([0, 0, -1], np.int64))
+        heads, flat = shared[key], shared["head_flat"]
         cur = g.fresh(f"{x3d}_heads")
         new.append(helper.make_node("Reshape", [x3d, heads], [cur], name=g.fresh("HeadView")))
         for norm in norms:
