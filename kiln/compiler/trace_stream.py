@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kiln.compiler.lazy import LazyWeights, parameter_keys
@@ -34,8 +33,7 @@ def _lazy(weights: LazyWeights, key: str, shape: tuple[int, ...], transpose: boo
     import onnx_ir as ir
 
     def load() -> Any:
-        array = weights.numpy(key)  # the writer drops it once written
-        return ir.tensor(np.ascontiguousarray(array.T) if transpose else array)
+        return ir.tensor(weights.torch(key, transpose).numpy())  # the writer drops it once written
 
     return ir.LazyTensor(load, dtype=ir.DataType.FLOAT, shape=ir.Shape(shape[::-1] if transpose else shape))
 

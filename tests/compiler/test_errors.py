@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -151,7 +152,12 @@ def test_success_prints_parity_table(capsys, tmp_path, good_ckpt):
     rc, stdout, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "--threads", "2")
     assert rc == 0, err
     assert "verification passed" in stdout and "last_hidden_state" in stdout and "latency" in stdout
-    assert "export" in err  # progress lines
+    lines = [line for line in err.splitlines() if line.startswith("[kiln")]
+    assert any("export" in line for line in lines)  # progress lines, each with time and memory (now, peak so far)
+    memory = [re.match(r"\[kiln +[\d.]+s ([\d.]+) GiB, peak ([\d.]+)\] ", line) for line in lines]
+    assert all(memory), lines
+    now, peak = zip(*((float(m[1]), float(m[2])) for m in memory))
+    assert 0.05 < now[0] <= peak[0] and list(peak) == sorted(peak) and all(n <= p for n, p in zip(now, peak))
     rc, stdout, _ = run_cli(capsys, "compile", str(good_ckpt), "-o", str(tmp_path / "j"), "--json", "--no-verify")
     assert rc == 0 and json.loads(stdout)["verification"]["status"] == "skipped"
 

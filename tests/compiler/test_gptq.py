@@ -61,6 +61,27 @@ def test_solver_matches_a_float64_transcription(group):
     np.testing.assert_array_equal(q.dequantize().T, deq.numpy())  # the codes are the solver's weights, bit for bit
 
 
+def test_a_handed_over_hessian_solves_alike_and_a_lent_one_is_left_as_it_was():
+    """``own=True`` (the streamed solver's: no (K, K) copy) overwrites the Hessian and gives the same codes as a
+    lent one, which stays untouched; a Hessian that is not positive definite is dampened further, not refused."""
+    torch.manual_seed(2)
+    w = torch.randn(16, 96)
+    h = hessian(correlated_inputs(400, 96, seed=2))
+    kept = h.clone()
+    for act_order in (False, True):
+        s = Settings(group_size=32, act_order=act_order, static_groups=False)
+        lent_q, lent = solve(w, h, s)
+        assert torch.equal(h, kept)
+        given = h.clone()
+        own_q, owned = solve(w, given, s, own=True)
+        assert act_order or not torch.equal(given, kept)  # dampened in place: it was not copied
+        assert torch.equal(lent, owned) and np.array_equal(lent_q.codes, own_q.codes)
+    singular = hessian(correlated_inputs(20, 96, seed=3))  # rank 20 of 96: no Cholesky factor without damping
+    assert int(torch.linalg.cholesky_ex(singular)[1]) != 0
+    _, dampened = solve(w, singular, Settings(group_size=32, act_order=False, damp=0.0))
+    assert torch.isfinite(dampened).all()
+
+
 def output_error(x: torch.Tensor, w: torch.Tensor, deq: torch.Tensor) -> float:
     return float(((x @ (deq - w).T) ** 2).mean())
 
