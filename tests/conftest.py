@@ -106,6 +106,10 @@ def make_model(family: str, head: str):
                                  head_dim=16, intermediate_size=128, max_position_embeddings=128, sliding_window=8,
                                  layer_types=["sliding_attention", "full_attention"], pad_token_id=0, eos_token_id=1,
                                  bos_token_id=2, **common)
+    elif family == "phi3":  # packed qkv_proj cut by three Slices, packed gate_up_proj, a view before the head merge
+        cfg = T.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+                           bos_token_id=2, **common)
     elif family == "t5":
         cfg = T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, n_positions=128, **common)

@@ -4,7 +4,8 @@ The exporter writes each decoder layer as Q/K/V projections, head splits, Rotary
 and K, ``repeat_kv`` (Unsqueeze/Expand/Reshape) on K and V, the standard ``Attention`` op with a
 boolean causal-and-padding mask, and a head merge. One GroupQueryAttention replaces all of it:
 - Q, K and V come from one packed MatMul (the three projections' weights concatenated), or from
-  the packed tensor the model already splits (GPT-2's ``c_attn``);
+  the packed tensor the model already splits (GPT-2's ``c_attn`` by a Split, Phi-3's ``qkv_proj`` by three
+  Slices);
 - rotary is applied inside the kernel (``do_rotary``) from cos/sin caches computed here from the
   graph's ``inv_freq`` constant, for every position up to the model's maximum;
 - ``repeat_kv`` disappears (the kernel shares KV heads across query heads);
@@ -203,7 +204,8 @@ class FuseGroupQueryAttention(Pass):
         v3, _, v_nodes, v_norms = self._heads_source(g, core.v, "v")
         if v_norms:
             raise NoMatch("V is normed per head; only Q and K norms are moved in front of the kernel")
-        merge_tr = g.only_consumer(core.out, "Transpose")
+        merge_view = g.only_consumer(core.out, "Reshape")  # Phi-3: a (B, -1, S, head size) view of it first
+        merge_tr = g.only_consumer(merge_view.output[0] if merge_view is not None else core.out, "Transpose")
         merge_rs = g.only_consumer(merge_tr.output[0], "Reshape") if merge_tr is not None else None
         if merge_tr is None or list(attr(merge_tr, "perm", [])) != [0, 2, 1, 3] or merge_rs is None:
             raise NoMatch("attention output is not merged back by Transpose(0,2,1,3) + Reshape")
@@ -216,12 +218,15 @@ class FuseGroupQueryAttention(Pass):
             raise NoMatch(f"query width {hidden} is not divisible by {heads} heads")
         if head_size % 16:
             raise NoMatch(f"head size {head_size} is not a multiple of 16, which GroupQueryAttention requires")
+        if merge_view is not None and not self._is_heads_view(g, merge_view, heads, head_size):
+            raise NoMatch(f"attention output goes through Reshape {merge_view.name}, which is not its own "
+                          "(batch, heads, sequence, head size) shape")
         for norm in q_norms + k_norms:
             for i in norm.input[1:]:
                 c = g.shape_of_constant(i) if i else None
                 if i and (c is None or c not in ((head_size,), (1,), ())):
                     raise NoMatch(f"head norm {norm.name} takes {i}, not a constant of the head size {head_size}")
-        if (q_norms or k_norms) and packing[0] == "split":
+        if (q_norms or k_norms) and packing[0] != "projections":
             raise NoMatch("Q/K norms on a packed QKV tensor the model splits itself are not moved")
         rope = self._rotary(g, q_rope, k_rope, head_size)
         for nodes in (q_nodes, k_nodes, v_nodes):
@@ -252,7 +257,8 @@ class FuseGroupQueryAttention(Pass):
         new.append(helper.make_node("GroupQueryAttention", inputs, [out], name=g.fresh("GroupQueryAttention"),
                                     domain=MS_DOMAIN, **attrs))
         new.append(helper.make_node("Reshape", [out, merge_rs.input[1]], [merge_rs.output[0]], name=merge_rs.name))
-        remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs]
+        remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs] + \
+            ([merge_view] if merge_view is not None else [])
         return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
 
     @staticmethod
@@ -297,6 +303,9 @@ class FuseGroupQueryAttention(Pass):
             if hidden is None:
                 raise NoMatch("width of the packed QKV tensor is unknown")
             return ("split", split), hidden
+        sliced = self._match_slices(g, q3, k3, v3, hq)
+        if sliced is not None:
+            return sliced
         q, k, v = (match_linear(g, x) for x in (q3, k3, v3))
         if not (q.x == k.x == v.x):
             raise NoMatch("Q, K and V project different inputs (cross-attention)")
@@ -307,11 +316,60 @@ class FuseGroupQueryAttention(Pass):
             sole_users(g, p.nodes)
         return ("projections", (q, k, v)), hidden
 
+    def _match_slices(self, g: Graph, q3: str, k3: str, v3: str, hq: int):
+        """Phi-3's ``qkv_proj``: Q, K and V cut from one tensor by three Slices along its last axis, back to back
+        and in that order, which is already the kernel's packed layout. None when they are not Slices."""
+        hk = self.num_kv_heads
+        nodes = [g.producer.get(x) for x in (q3, k3, v3)]
+        if not all(n is not None and n.op_type == "Slice" for n in nodes):
+            return None
+        source = nodes[0].input[0]
+        if any(n.input[0] != source for n in nodes):
+            raise NoMatch("Q, K and V are slices of different tensors")
+        width = self._width(g, source)
+        if width is None:
+            raise NoMatch("width of the packed QKV tensor is unknown")
+        bounds = []
+        for n in nodes:
+            starts, ends, axes, steps = (g.constant(n.input[i]) if len(n.input) > i and n.input[i] else None
+                                         for i in (1, 2, 3, 4))
+            if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+                raise NoMatch(f"Slice {n.name} of the packed QKV tensor has no constant bounds")
+            if axes is None or axes.size != 1 or int(axes[0]) not in (-1, 2) or (steps is not None and
+                                                                              steps.tolist() != [1]):
+                raise NoMatch(f"Slice {n.name} does not cut the packed QKV tensor's last axis with step 1")
+            lo, hi = (int(v) + width if int(v) < 0 else min(int(v), width) for v in (starts[0], ends[0]))
+            bounds.append((lo, hi))
+        (q0, q1), (k0, k1), (v0, v1) = bounds
+        if not (q0 == 0 and q1 == k0 and k1 == v0 and v1 == width and k1 - k0 == v1 - v0 and
+                (k1 - k0) * hq == q1 * hk):
+            raise NoMatch(f"packed QKV slices {bounds} of width {width} are not Q, K, V back to back for {hq} "
+                          f"query / {hk} KV heads")
+        return ("slices", (source, nodes)), q1
+
+    def _is_heads_view(self, g: Graph, view: onnx.NodeProto, heads: int, head_size: int) -> bool:
+        """Whether Reshape ``view`` of the (B, heads, S, head size) attention output is its own shape: the target is
+        Concat(batch, -1 or heads, sequence, head size), batch and sequence read from the mask or ids input."""
+        cat = g.parent(view, 1, "Concat")
+        if cat is None or len(cat.input) != 4:
+            return False
+        dims = [g.producer.get(i) for i in cat.input]
+        if not all(d is not None and d.op_type == "Shape" for d in (dims[0], dims[2])):
+            return False
+        b, s = dims[0], dims[2]
+        if b.input[0] != s.input[0] or b.input[0] not in (self.mask_input, self.ids_input) or \
+                (attr(b, "start", 0), attr(b, "end", None), attr(s, "start", 0), attr(s, "end", None)) != (0, 1, 1, 2):
+            return False
+        h, d = g.constant(cat.input[1]), g.constant(cat.input[3])
+        return h is not None and d is not None and h.tolist() in ([-1], [heads]) and d.tolist() == [head_size]
+
     @staticmethod
     def _emit_pack(g: Graph, packing) -> tuple[list[str], dict[str, list[onnx.NodeProto]]]:
         kind, found = packing
         if kind == "split":
             return [found.input[0]], {"new": [], "old": [found]}
+        if kind == "slices":
+            return [found[0]], {"new": [], "old": list(found[1])}
         q, k, v = found
         weight = g.add_initializer("qkv_weight", np.concatenate([q.weight, k.weight, v.weight], 1))
         out = g.fresh("qkv")

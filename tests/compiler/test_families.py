@@ -13,7 +13,7 @@ from kiln.compiler import compile
 
 NEW = [("electra", "base", "fuse-attention"), ("xlm-roberta", "base", "fuse-attention"),
        ("granite", "causal-lm", "fuse-gqa"), ("olmo", "causal-lm", "fuse-gqa"), ("starcoder2", "causal-lm", "fuse-gqa"),
-       ("qwen3", "causal-lm", "fuse-gqa"), ("gemma3_text", "causal-lm", "fuse-gqa")]
+       ("qwen3", "causal-lm", "fuse-gqa"), ("gemma3_text", "causal-lm", "fuse-gqa"), ("phi3", "causal-lm", "fuse-gqa")]
 
 
 @pytest.mark.parametrize("family,head,rule", NEW, ids=[f for f, _, _ in NEW])

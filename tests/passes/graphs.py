@@ -129,12 +129,15 @@ HD = 16  # GroupQueryAttention needs a head size that is a multiple of 16
 
 
 def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int = HD, rotary: bool = True,
-                            packed: bool = False, causal: bool = True, bias: bool = True, seed: int = 0,
-                            head_norm: str | None = None) -> onnx.ModelProto:
+                            packed: bool | str = False, causal: bool = True, bias: bool = True, seed: int = 0,
+                            head_norm: str | None = None, merge_view: bool = False,
+                            slice_order: str = "qkv") -> onnx.ModelProto:
     """One decoder self-attention layer as torch.onnx exports it: projections (or a packed Split), head split,
     RotaryEmbedding from mask-derived positions, repeat_kv, Attention-23 with a causal & padding bool mask, merge.
     ``head_norm``: an RMSNorm over each head's features on Q and K, ``"before"`` the head split's Transpose (Qwen3)
-    or ``"after"`` it (Gemma 3)."""
+    or ``"after"`` it (Gemma 3). ``packed="slices"`` with ``merge_view``: Phi-3's export, Q, K and V cut from the
+    packed projection by three Slices (``slice_order`` the order their columns lie in) and a (B, -1, S, head size)
+    Reshape of the attention output before the merge."""
     rng = np.random.default_rng(seed)
     d = q_heads * head_size
     widths = {"q": d, "k": kv_heads * head_size, "v": kv_heads * head_size}
@@ -147,8 +150,18 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
     if packed:
         inits += [_init("Wqkv", rng.standard_normal((d, sum(widths.values()))).astype(np.float32) * 0.3),
                   _init("split_sizes", np.array(list(widths.values()), np.int64))]
-        nodes += [helper.make_node("MatMul", ["x", "Wqkv"], ["qkv"], name="qkv_mm"),
-                  helper.make_node("Split", ["qkv", "split_sizes"], ["q_lin", "k_lin", "v_lin"], name="qkv_split", axis=2)]
+        nodes.append(helper.make_node("MatMul", ["x", "Wqkv"], ["qkv"], name="qkv_mm"))
+        if packed == "slices":
+            lo = 0
+            for t in slice_order:
+                hi = lo + widths[t] if t != slice_order[-1] else np.iinfo(np.int64).max
+                inits += [_init(f"{t}_lo", np.array([lo], np.int64)), _init(f"{t}_hi", np.array([hi], np.int64))]
+                nodes.append(helper.make_node("Slice", ["qkv", f"{t}_lo", f"{t}_hi", "ax_2", "c_one1"], [f"{t}_lin"],
+                                              name=f"{t}_slice"))
+                lo += widths[t]
+        else:
+            nodes.append(helper.make_node("Split", ["qkv", "split_sizes"], ["q_lin", "k_lin", "v_lin"], name="qkv_split",
+                                          axis=2))
         src = {t: f"{t}_lin" for t in widths}
     else:
         for t, w in widths.items():
@@ -214,8 +227,15 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
                   helper.make_node("And", ["causal", "pad4"], ["mask4"])]
     else:
         nodes.append(helper.make_node("Identity", ["pad4"], ["mask4"]))
-    nodes += [helper.make_node("Attention", [q, k, v, "mask4"], ["ctx"], name="sdpa", scale=head_size ** -0.5),
-              helper.make_node("Transpose", ["ctx"], ["ctx_t"], name="merge_t", perm=[0, 2, 1, 3]),
+    nodes.append(helper.make_node("Attention", [q, k, v, "mask4"], ["ctx" if not merge_view else "ctx4"], name="sdpa",
+                                  scale=head_size ** -0.5))
+    if merge_view:  # Phi-3: Reshape to Concat(batch, -1, sequence, head size) first, batch and sequence from the mask
+        inits += [_init("minus1", np.array([-1], np.int64)), _init("hd1", np.array([head_size], np.int64))]
+        nodes += [helper.make_node("Shape", ["attention_mask"], ["view_b"], start=0, end=1),
+                  helper.make_node("Shape", ["attention_mask"], ["view_s"], start=1, end=2),
+                  helper.make_node("Concat", ["view_b", "minus1", "view_s", "hd1"], ["view_shape"], axis=0),
+                  helper.make_node("Reshape", ["ctx4", "view_shape"], ["ctx"], name="merge_view")]
+    nodes += [helper.make_node("Transpose", ["ctx"], ["ctx_t"], name="merge_t", perm=[0, 2, 1, 3]),
               helper.make_node("Reshape", ["ctx_t", "merge_shape"], ["y"], name="merge_reshape")]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", d]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"]),

@@ -72,6 +72,27 @@ def test_packed_split_without_rotary_matches_unfused():
     assert_matches_unfused(model, fused, 2 * HD)
 
 
+def test_packed_slices_and_a_merge_view_match_unfused():
+    """Phi-3: Q, K and V cut from the packed projection by three Slices are already the kernel's packed input; the
+    (B, -1, S, head size) Reshape before the merge goes with the Transpose."""
+    model = decoder_attention_graph(4, 2, packed="slices", merge_view=True)
+    fused, record = run_passes(model, [gqa(4, 2)])
+    assert record[0]["stats"] == {"fused": 1, "rotary": 1, "packed_qkv": 1}
+    ops = op_types(fused)
+    assert ops.count("MatMul") == 1 and {"Slice", "Attention", "Transpose"}.isdisjoint(ops)
+    names = {n.name for n in fused.graph.node}
+    assert "merge_view" not in names and "merge_reshape" in names  # the merge's own Reshape flattens (B, S, H * hd)
+    assert_matches_unfused(model, fused, 4 * HD)
+
+
+def test_packed_slices_out_of_order_are_refused_unchanged():
+    """Slices that cut Q, V, K (not the kernel's Q, K, V layout) are refused with the bounds, graph untouched."""
+    model = decoder_attention_graph(4, 2, packed="slices", merge_view=True, slice_order="qvk")
+    out, record = run_passes(model, [gqa(4, 2)])
+    assert record[0]["modified"] is False and "are not Q, K, V back to back" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == model.SerializeToString()
+
+
 def test_sliding_window_is_set_per_layer():
     fused, _ = run_passes(decoder_attention_graph(), [gqa(sliding_windows=(3,))])
     node = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")

@@ -255,11 +255,12 @@ class DequantizedWeights(LazyWeights):
         parts = {s: self.read(e, f"{name}.{s}").numpy() for s, e in self.packed[name].items()}
         return self.layout.codes(name, parts)
 
-    def torch(self, key: str) -> Any:
+    def torch(self, key: str, transpose: bool = False) -> Any:
         module = key[:-len(".weight")] if key.endswith(".weight") else None
         if module in self.packed:
-            return self.own(self.quantized(module).dequantize().T)
-        return super().torch(key)
+            w_kn = self.quantized(module).dequantize()
+            return self.own(w_kn if transpose else w_kn.T)
+        return super().torch(key, transpose)
 
     def codebook(self, directory: Path) -> Codebook:
         book = Codebook(directory)
