@@ -24,6 +24,29 @@ def test_case_with_no_real_rows_has_no_numbers_and_no_verdict():
     assert out == {"passed": None, "compared": 0}
 
 
+def test_padded_rows_are_skipped_and_chunks_see_every_real_row(monkeypatch):
+    """Rows are read by index a chunk at a time (no masked copies): what padded positions hold never counts, every
+    real row does (a planted error in the last real row of the last chunk fails), and the numbers are those of the
+    whole real-row arrays at once."""
+    from kiln.compiler.verify import parity
+
+    monkeypatch.setattr(parity, "CHUNK_ELEMENTS", 16)  # two rows of 8 a chunk
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    mask = np.ones((3, 5), np.int64)
+    mask[0, :2] = mask[2, 4:] = 0
+    got = ref + rng.standard_normal(ref.shape).astype(np.float32) * 1e-6
+    got[mask == 0] = np.nan  # padding: never compared
+    out = compare_output("last_hidden_state", ref, got, mask, FP32)
+    real = mask.astype(bool)
+    r, g = ref[real].astype(np.float64), got[real].astype(np.float64)
+    assert out["passed"] is True and out["compared"] == 12
+    assert out["max_abs"] == np.abs(r - g).max() and np.isclose(out["cosine_min"], metrics.row_cosines(r, g).min())
+    planted = got.copy()
+    planted[2, 3] += 1e-2  # the last real row
+    assert compare_output("last_hidden_state", ref, planted, mask, FP32)["passed"] is False
+
+
 def test_top1_without_a_decisive_position_is_absent():
     tied = np.zeros((4, 10), np.float32)  # every row's best two logits are equal
     out = compare_output("logits", tied, tied, None, FP32)
