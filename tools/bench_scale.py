@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import shutil
 import subprocess
@@ -97,6 +98,20 @@ def decode(artifact: Path, threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+PROGRESS = re.compile(r"^\[kiln +[\d.]+s [\d.]+ GiB, peak ([\d.]+)\] (.*)$")
+
+
+def peak_step(log: Path) -> str | None:
+    """The compile step that set its peak RSS, from the progress lines' running peak: the step that was running
+    when the peak first reached its final value (the line before the one that first shows it)."""
+    steps = [(float(m[1]), m[2]) for line in log.read_text(errors="replace").splitlines() if (m := PROGRESS.match(line))]
+    if not steps:
+        return None
+    top = max(p for p, _ in steps)
+    i = next(i for i, (p, _) in enumerate(steps) if p == top)
+    return steps[max(0, i - 1)][1][:80]
+
+
 def llama_cpp(source: Path, ckpt: Path, threads: int) -> dict:
     """llama.cpp's Q4_K_M of ``ckpt``: converted and quantized once (cached), then ``llama-bench``'s decode."""
     gguf_dir = scale_checkpoints.cache_dir() / "gguf"
@@ -142,7 +157,8 @@ def main() -> int:
             cmd = [*KILN, "compile", str(ckpt), "-o", str(out), "--max-length", "512", "--threads", str(args.threads),
                    *VARIANTS[v]]
             code, seconds, rss = measured(cmd, args.work / f"{shape}-{v}.log")
-            row = {"model": shape, "variant": v, "exit": code, "minutes": seconds / 60, "peak_rss_gib": rss / GIB}
+            row = {"model": shape, "variant": v, "exit": code, "minutes": seconds / 60, "peak_rss_gib": rss / GIB,
+                   "peak_step": peak_step(args.work / f"{shape}-{v}.log")}
             if code == 0:
                 size = files_bytes(out)
                 row["artifact_gib"] = size / GIB
@@ -167,6 +183,9 @@ def main() -> int:
         print(f"{r['model']:<6} {r['variant']:<9} {r['minutes']:>6.1f} min {bound or '-':>5} {r['peak_rss_gib']:>6.2f} GiB "
               f"{r['rss_bound_gib']:>5.2f} GiB {r['artifact_gib']:>5.2f} GiB {r['decode_tok_s'] or 0:>6.1f} tok/s "
               f"{r['runtime_rss_gib']:>5.2f} GiB ({r['runtime_rss_over_files'] or 0:.2f}x)")
+    for r in rows:
+        if r.get("peak_step"):
+            print(f"{r['model']} {r['variant']}: peak RSS set during \"{r['peak_step']}\"")
     fp32 = next((r for r in rows if r["model"] == "1.1b" and r["variant"] == "fp32" and not r["exit"]), None)
     int4 = next((r for r in rows if r["model"] == "1.1b" and r["variant"] == "int4" and not r["exit"]), None)
     if fp32 and int4 and fp32.get("decode_tok_s") and int4.get("decode_tok_s"):
