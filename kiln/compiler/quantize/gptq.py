@@ -393,7 +393,7 @@ def quantize_streamed(stream: Any, windows: Sequence[dict[str, Any]], settings: 
             stream.empty()  # the final norm and head the forward needed; the head is read again in FP32 to solve
             name = next(n for n, m in stream.shell.named_modules() if m is out) + ".weight"
             w_nk = stream.read(name)
-            q, _ = solve(w_nk, hess.h if settings.method == "gptq" else None, settings)
+            q, _ = solve(w_nk, hess.h if settings.method == "gptq" else None, settings, own=True)
             keys[name] = book.add(w_nk.numpy().T, q)
             say(f"{settings.method} lm_head solved")
     return keys
@@ -418,7 +418,7 @@ def _quantize_head(model: Any, windows: Sequence[dict[str, Any]], settings: Sett
         if out.weight is model.get_input_embeddings().weight:  # tied: the table keeps its FP32 weights
             out.weight = torch.nn.Parameter(out.weight.detach().clone(), requires_grad=False)
         original = out.weight.detach().numpy().T.copy()
-        q, deq = solve(out.weight.detach(), hess.h if settings.method == "gptq" else None, settings)
+        q, deq = solve(out.weight.detach(), hess.h if settings.method == "gptq" else None, settings, own=True)
         out.weight.copy_(deq)
         result.add(original, q)
 

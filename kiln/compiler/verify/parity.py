@@ -114,8 +114,10 @@ def _rows(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> tuple[np.nda
     return a.reshape(lead, -1), b.reshape(lead, -1), None
 
 
-def _chunks(arrays: tuple[np.ndarray, ...], index: np.ndarray | None, step: int) -> Iterator[tuple[np.ndarray, ...]]:
-    """The rows of ``arrays`` (``index``'s, or all), ``step`` at a time, as float64 copies of that chunk only."""
+def _chunks(arrays: tuple[np.ndarray, ...], index: np.ndarray | None) -> Iterator[tuple[np.ndarray, ...]]:
+    """The rows of ``arrays`` (``index``'s, or all), about ``CHUNK_ELEMENTS`` values at a time, as float64 copies of
+    that chunk only."""
+    step = max(1, CHUNK_ELEMENTS // max(1, arrays[0].shape[1]))
     total = arrays[0].shape[0] if index is None else len(index)
     for lo in range(0, total, step):
         rows = slice(lo, lo + step) if index is None else index[lo:lo + step]
@@ -134,9 +136,8 @@ def compare_output(name: str, ref: np.ndarray, got: np.ndarray, mask: np.ndarray
     compared = r_all.shape[0] if index is None else len(index)
     if compared == 0 or r_all.shape[1] == 0:  # nothing real to compare: no verdict either way, and no numbers
         return {"passed": None, "compared": 0}
-    step = max(1, CHUNK_ELEMENTS // r_all.shape[1])
     peak, finite = 0.0, True
-    for r, g in _chunks((r_all, g_all), index, step):
+    for r, g in _chunks((r_all, g_all), index):
         peak = max(peak, float(np.abs(r).max()))
         finite = finite and bool(np.isfinite(g).all())
     if not finite:
@@ -146,7 +147,7 @@ def compare_output(name: str, ref: np.ndarray, got: np.ndarray, mask: np.ndarray
     logits = name == "logits" and r_all.shape[1] > 1
     max_abs, max_rel, cosines = 0.0, 0.0, []
     decisive = agree_decisive = agree_all = 0
-    for r, g in _chunks((r_all, g_all), index, step):
+    for r, g in _chunks((r_all, g_all), index):
         diff = np.abs(r - g)
         max_abs = max(max_abs, float(diff.max()))
         max_rel = max(max_rel, float((diff / (np.abs(r) + 1e-6 * scale)).max()))
@@ -183,7 +184,7 @@ def rounding_check(out: dict[str, Any], ref: np.ndarray, got: np.ndarray, exact:
     r_all, g_all, index = _rows(ref, got, mask)
     e_all = _rows(exact, exact, mask)[0]
     eager = artifact = 0.0
-    for r, g, e in _chunks((r_all, g_all, e_all), index, max(1, CHUNK_ELEMENTS // max(1, r_all.shape[1]))):
+    for r, g, e in _chunks((r_all, g_all, e_all), index):
         eager, artifact = max(eager, float(np.abs(r - e).max())), max(artifact, float(np.abs(g - e).max()))
     bound = max(out["atol"], ROUNDING_FACTOR * eager)
     out["rounding"] = {"eager_vs_fp64": eager, "artifact_vs_fp64": artifact, "bound": bound}
