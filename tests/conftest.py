@@ -95,9 +95,18 @@ def make_model(family: str, head: str):
     elif family == "starcoder2":  # biased projections, LayerNorm, gelu MLP
         cfg = T.Starcoder2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=128, max_position_embeddings=128, sliding_window=None, **common)
-    elif family == "stablelm":  # partial rotary (25% of each head): GroupQueryAttention cannot take it
-        cfg = T.StableLmConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               intermediate_size=128, max_position_embeddings=128, **common)
+    elif family == "stablelm":  # partial rotary: 16 of each head's 64 features (StableLM 2's 25%), 2 query / 1 KV heads
+        cfg = T.StableLmConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                               intermediate_size=128, max_position_embeddings=128, partial_rotary_factor=0.25, **common)
+    elif family == "stablelm-rd8":  # partial rotary over 8 features: GroupQueryAttention rotates multiples of 16
+        cfg = T.StableLmConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, max_position_embeddings=128, partial_rotary_factor=0.25, **common)
+    elif family == "gpt_neox":  # per-head packed query_key_value, partial rotary (16 of 32), parallel residual
+        cfg = T.GPTNeoXConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                              max_position_embeddings=128, rotary_pct=0.5, **common)
+    elif family == "phi":  # Phi-2: partial rotary (16 of 32), parallel attention and MLP, biased lm_head
+        cfg = T.PhiConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                          max_position_embeddings=128, partial_rotary_factor=0.5, **common)
     elif family == "qwen3":  # per-head RMSNorm on q and k, before the head split's Transpose
         cfg = T.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, intermediate_size=128, max_position_embeddings=128, **common)

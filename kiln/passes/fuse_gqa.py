@@ -5,9 +5,13 @@ and K, ``repeat_kv`` (Unsqueeze/Expand/Reshape) on K and V, the standard ``Atten
 boolean causal-and-padding mask, and a head merge. One GroupQueryAttention replaces all of it:
 - Q, K and V come from one packed MatMul (the three projections' weights concatenated), or from
   the packed tensor the model already splits (GPT-2's ``c_attn`` by a Split, Phi-3's ``qkv_proj`` by three
-  Slices);
+  Slices, GPT-NeoX's ``query_key_value``, each head's Q, K, V side by side, regrouped by one Transpose);
 - rotary is applied inside the kernel (``do_rotary``) from cos/sin caches computed here from the
-  graph's ``inv_freq`` constant, for every position up to the model's maximum;
+  graph's ``inv_freq`` constant, for every position up to the model's maximum. Partial rotary (StableLM,
+  GPT-NeoX, Phi-2, Phi-4-mini: the first ``d`` features of each head, exported as a Slice, RotaryEmbedding and
+  Concat) is the kernel's too: caches ``d / 2`` wide rotate the first ``d`` and pass the rest through
+  (measured against numpy on ONNX Runtime 1.32 for d = 16, 32, 96 of heads of 32-128). The kernel takes ``d`` in
+  multiples of 16 only, so a narrower rotary (StableLM 3B's 20 of 80) is refused with that reason;
 - ``repeat_kv`` disappears (the kernel shares KV heads across query heads);
 - the kernel is causal itself; padding enters as an additive ``attention_bias`` built once per
   graph from ``attention_mask``.
@@ -50,6 +54,16 @@ def _ancestor_ops(g: Graph, value: str) -> set[str]:
         ops.add(p.op_type)
         stack.extend(i for i in p.input if i)
     return ops
+
+
+def _used_only_within(g: Graph, nodes: list[onnx.NodeProto]) -> None:
+    """Every output of every node but the last is read only by these nodes (a partial rotary's head split feeds two
+    Slices): fusing them must not duplicate work or orphan a reader."""
+    ids = {id(n) for n in nodes}
+    for n in nodes[:-1]:
+        for o in n.output:
+            if o and (o in g.graph_outputs or any(id(c) not in ids for c in g.consumers.get(o, []))):
+                raise NoMatch(f"{o} has other users; fusing would duplicate it")
 
 
 class FuseGroupQueryAttention(Pass):
@@ -117,13 +131,13 @@ class FuseGroupQueryAttention(Pass):
             nodes = [un, ex, cur]
             value = un.input[0]
             cur = g.producer.get(value)
-        rope = None
+        rope, rotary_dim = None, None
         if cur is not None and cur.op_type == "Concat" and any(
                 (g.producer.get(i) is not None and g.producer[i].op_type in ("RotaryEmbedding", "Slice", "Add", "Sub", "Neg"))
                 for i in cur.input):
-            raise NoMatch(f"partial rotary: {role} is a Concat of a rotated slice and an unrotated one "
-                          "(GroupQueryAttention rotates whole heads)")
-        if cur is not None and cur.op_type == "RotaryEmbedding":
+            value, rope, rotary_dim, partial = self._partial_rotary(g, cur, role)
+            nodes = partial + nodes
+        elif cur is not None and cur.op_type == "RotaryEmbedding":
             rope = cur
             nodes.insert(0, rope)
             value = rope.input[0]
@@ -136,20 +150,83 @@ class FuseGroupQueryAttention(Pass):
                 rs = g.producer.get(inner)
                 if rs is None or rs.op_type != "Reshape" or list(attr(tr, "perm", [])) != [0, 2, 1, 3]:
                     raise NoMatch(f"head split of {value} is not Reshape, norm, Transpose [0, 2, 1, 3]")
-                return rs.input[0], rope, [rs, *before, tr, *after, *nodes], before + after
-        x3d, split = match_head_split(g, value)
-        return x3d, rope, split + after + nodes, after
+                return rs.input[0], (rope, rotary_dim), [rs, *before, tr, *after, *nodes], before + after
+        if tr is not None and tr.op_type == "Split":  # GPT-NeoX: each head's q, k and v side by side
+            x3d, split = self._per_head_split(g, tr, value, role)
+        else:
+            x3d, split = match_head_split(g, value)
+        return x3d, (rope, rotary_dim), split + after + nodes, after
 
-    def _rotary(self, g: Graph, q_rope: onnx.NodeProto | None, k_rope: onnx.NodeProto | None, head_size: int):
+    @staticmethod
+    def _per_head_split(g: Graph, split: onnx.NodeProto, value: str, role: str
+                        ) -> tuple[str, list[onnx.NodeProto]]:
+        """GPT-NeoX's ``query_key_value``: x3d viewed as (B, S, heads, 3 x head size), Transpose(0, 2, 1, 3), Split
+        in three on the last axis: Q is output 0, K 1, V 2. Returns x3d and [Reshape, Transpose, Split]."""
+        want = {"q": 0, "k": 1, "v": 2}[role]
+        if attr(split, "axis", 0) not in (-1, 3) or len(split.output) != 3 or list(split.output).index(value) != want:
+            raise NoMatch(f"{role} is output {list(split.output).index(value)} of a Split that is not Q, K, V in three "
+                          "on the heads' last axis")
+        sizes = g.constant(split.input[1]) if len(split.input) > 1 and split.input[1] else None
+        if sizes is not None and len(set(sizes.reshape(-1).tolist())) != 1:
+            raise NoMatch(f"per-head QKV split sizes {sizes.tolist()} are not equal")
+        x3d, nodes = match_head_split(g, split.input[0])
+        return x3d, nodes + [split]
+
+    @staticmethod
+    def _partial_rotary(g: Graph, cat: onnx.NodeProto, role: str
+                        ) -> tuple[str, onnx.NodeProto, int, list[onnx.NodeProto]]:
+        """Partial rotary (StableLM, GPT-NeoX, Phi-2, Phi-4-mini): Concat(RotaryEmbedding(x[..., :d]), x[..., d:])
+        on the heads' last axis. GroupQueryAttention rotates the first ``d`` features of each head itself when its
+        cos/sin caches are ``d / 2`` wide and passes the rest through, so the three nodes go.
+
+        Returns x, the rotary node, ``d`` and the nodes from x to the Concat (input first)."""
+        parts = [g.producer.get(i) for i in cat.input]
+        if len(parts) != 2 or attr(cat, "axis", 0) not in (-1, 3) or parts[0] is None or parts[1] is None or \
+                parts[0].op_type != "RotaryEmbedding" or parts[1].op_type != "Slice":
+            raise NoMatch(f"partial rotary: {role} is a Concat that is not (rotated first slice, unrotated rest) "
+                          "on the heads' last axis")
+        rope, rest = parts
+        first = g.producer.get(rope.input[0])
+        if first is None or first.op_type != "Slice" or first.input[0] != rest.input[0]:
+            raise NoMatch(f"partial rotary: the rotated and unrotated parts of {role} are not slices of one tensor")
+        bounds = []
+        for sl in (first, rest):
+            starts, ends, axes, steps = (g.constant(sl.input[i]) if len(sl.input) > i and sl.input[i] else None
+                                         for i in (1, 2, 3, 4))
+            if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 or \
+                    int(axes.reshape(-1)[0]) not in (-1, 3) or (steps is not None and steps.reshape(-1).tolist() != [1]):
+                raise NoMatch(f"partial rotary: Slice {sl.name} of {role} is not a constant cut of the last axis")
+            bounds.append((int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])))
+        (a0, a1), (b0, b1) = bounds
+        if a0 != 0 or a1 <= 0 or b0 != a1 or b1 < (1 << 31):  # the rest runs to the end (an int64 max bound)
+            raise NoMatch(f"partial rotary: slices {bounds} of {role} are not [0, d) and [d, end)")
+        if attr(rope, "rotary_embedding_dim", 0) not in (0, a1):
+            raise NoMatch(f"partial rotary: {role}'s RotaryEmbedding rotates {attr(rope, 'rotary_embedding_dim')} "
+                          f"of its {a1} features")
+        return first.input[0], rope, a1, [first, rope, rest, cat]
+
+    def _rotary(self, g: Graph, q_rope: tuple[onnx.NodeProto | None, int | None],
+                k_rope: tuple[onnx.NodeProto | None, int | None], head_size: int):
+        """The rotary both Q and K get, checked: (inv_freq, cos/sin scale, interleaved), or None when neither is
+        rotated. ``*_rope``: the RotaryEmbedding and the features it rotates (None: the whole head, or its own
+        ``rotary_embedding_dim``)."""
+        (q_rope, q_dim), (k_rope, k_dim) = q_rope, k_rope
         if q_rope is None and k_rope is None:
             return None
         if q_rope is None or k_rope is None:
             raise NoMatch("rotary is applied to only one of Q and K")
-        for rope in (q_rope, k_rope):
+        dims = set()
+        for rope, dim in ((q_rope, q_dim), (k_rope, k_dim)):
             if len(rope.input) > 3 and rope.input[3]:
                 raise NoMatch("RotaryEmbedding takes position_ids; only precomputed cos/sin are recognised")
-            if attr(rope, "rotary_embedding_dim", 0) not in (0, head_size):
-                raise NoMatch(f"partial rotary (dim {attr(rope, 'rotary_embedding_dim')} of {head_size}) is not supported")
+            own = int(attr(rope, "rotary_embedding_dim", 0))
+            dims.add(dim if dim is not None else own or head_size)
+        if len(dims) != 1:
+            raise NoMatch(f"Q and K rotate different numbers of features {sorted(dims)}")
+        rotary_dim = dims.pop()
+        if rotary_dim > head_size or rotary_dim % 16:
+            raise NoMatch(f"partial rotary over {rotary_dim} of {head_size} features: GroupQueryAttention rotates a "
+                          "multiple of 16 (its cos/sin cache width must be a multiple of 8)")
         if attr(q_rope, "interleaved", 0) != attr(k_rope, "interleaved", 0):
             raise NoMatch("Q and K use different rotary layouts")
         tables = []
@@ -179,11 +256,11 @@ class FuseGroupQueryAttention(Pass):
         if mul is not None and mul.op_type == "Mul":
             for i in (0, 1):
                 c = g.constant(mul.input[i])
-                if c is not None and c.size == head_size // 2:
+                if c is not None and c.size == rotary_dim // 2:
                     inv_freq = c.reshape(-1).astype(np.float64)
                     positions = mul.input[1 - i]
         if inv_freq is None:
-            raise NoMatch(f"rotary angles are not positions x a constant inv_freq of {head_size // 2} values")
+            raise NoMatch(f"rotary angles are not positions x a constant inv_freq of {rotary_dim // 2} values")
         if g.ancestors_inputs(positions) - {self.mask_input}:
             raise NoMatch("rotary positions do not come from attention_mask alone")
         return inv_freq, tables[0][1], int(attr(q_rope, "interleaved", 0))
@@ -201,7 +278,9 @@ class FuseGroupQueryAttention(Pass):
                 raise NoMatch(f"mask {core.mask} compares no positions, so it is not causal")
         q3, q_rope, q_nodes, q_norms = self._heads_source(g, core.q, "q")
         k3, k_rope, k_nodes, k_norms = self._heads_source(g, core.k, "k")
-        v3, _, v_nodes, v_norms = self._heads_source(g, core.v, "v")
+        v3, v_rope, v_nodes, v_norms = self._heads_source(g, core.v, "v")
+        if v_rope[0] is not None:
+            raise NoMatch("V is rotated; the kernel rotates only Q and K")
         if v_norms:
             raise NoMatch("V is normed per head; only Q and K norms are moved in front of the kernel")
         merge_view = g.only_consumer(core.out, "Reshape")  # Phi-3: a (B, -1, S, head size) view of it first
@@ -209,10 +288,17 @@ class FuseGroupQueryAttention(Pass):
         merge_rs = g.only_consumer(merge_tr.output[0], "Reshape") if merge_tr is not None else None
         if merge_tr is None or list(attr(merge_tr, "perm", [])) != [0, 2, 1, 3] or merge_rs is None:
             raise NoMatch("attention output is not merged back by Transpose(0,2,1,3) + Reshape")
-        for x in (q3, k3, v3):
+        for x in {q3, k3, v3}:
             if len(g.consumers[x]) != 1:
                 raise NoMatch(f"{x} has other users; fusing would duplicate it")
-        packing, hidden = self._match_pack(g, q3, k3, v3, heads)
+        if q3 == k3 == v3:
+            if not any(n.op_type == "Split" for n in q_nodes):
+                raise NoMatch(f"Q, K and V are the same tensor {q3}")
+            packing, hidden = self._match_heads_pack(g, q_nodes[0], heads)
+        elif len({q3, k3, v3}) < 3:
+            raise NoMatch("two of Q, K and V come from one tensor and the third from another")
+        else:
+            packing, hidden = self._match_pack(g, q3, k3, v3, heads)
         head_size = hidden // heads
         if hidden % heads:
             raise NoMatch(f"query width {hidden} is not divisible by {heads} heads")
@@ -229,8 +315,8 @@ class FuseGroupQueryAttention(Pass):
         if (q_norms or k_norms) and packing[0] != "projections":
             raise NoMatch("Q/K norms on a packed QKV tensor the model splits itself are not moved")
         rope = self._rotary(g, q_rope, k_rope, head_size)
-        for nodes in (q_nodes, k_nodes, v_nodes):
-            sole_users(g, nodes + [node])
+        layer = list({id(n): n for n in q_nodes + k_nodes + v_nodes}.values())  # a per-head split is in all three
+        _used_only_within(g, layer + [node])
         # --- every check passed: from here on the graph changes
         new: list[onnx.NodeProto] = []
         if q_norms or k_norms:  # the projections stay apart; the norms run on (B, S, heads, head size) views
@@ -257,7 +343,7 @@ class FuseGroupQueryAttention(Pass):
         new.append(helper.make_node("GroupQueryAttention", inputs, [out], name=g.fresh("GroupQueryAttention"),
                                     domain=MS_DOMAIN, **attrs))
         new.append(helper.make_node("Reshape", [out, merge_rs.input[1]], [merge_rs.output[0]], name=merge_rs.name))
-        remove = core.nodes + q_nodes + k_nodes + v_nodes + proj_nodes["old"] + [merge_tr, merge_rs] + \
+        remove = core.nodes + layer + proj_nodes["old"] + [merge_tr, merge_rs] + \
             ([merge_view] if merge_view is not None else [])
         return new, remove, {"rotary": int(rope is not None), "packed": int(len(qkv) == 1)}
 
@@ -316,6 +402,23 @@ class FuseGroupQueryAttention(Pass):
             sole_users(g, p.nodes)
         return ("projections", (q, k, v)), hidden
 
+    def _match_heads_pack(self, g: Graph, view: onnx.NodeProto, hq: int):
+        """GPT-NeoX's per-head packing (``view`` reshapes the projection to (B, S, heads, 3 x head size)): the
+        kernel's packed layout is Q, K, V each across all heads, so the projection's output is regrouped by a
+        (B, S, heads, 3, head size) view and one Transpose, which replaces the graph's own Transpose (the weights
+        stay as they are, so codes solved for them are found). Multi-head only: no KV heads are shared."""
+        if hq != self.num_kv_heads:
+            raise NoMatch(f"per-head packed QKV with {hq} query and {self.num_kv_heads} KV heads: only equal counts "
+                          "are packed this way")
+        cat = g.parent(view, 1, "Concat")
+        target = g.constant(view.input[1])
+        last = target.reshape(-1)[-1] if target is not None else g.constant(cat.input[-1]) if cat is not None else None
+        heads = target.reshape(-1)[2] if target is not None else g.constant(cat.input[2]) if cat is not None else None
+        if last is None or heads is None or int(np.reshape(heads, -1)[0]) not in (-1, hq) or int(np.reshape(last, -1)[0]) % 3:
+            raise NoMatch(f"per-head packed QKV view {view.name} is not (batch, sequence, {hq}, 3 x head size)")
+        head_size = int(np.reshape(last, -1)[0]) // 3
+        return ("heads", (view.input[0], hq, head_size)), hq * head_size
+
     def _match_slices(self, g: Graph, q3: str, k3: str, v3: str, hq: int):
         """Phi-3's ``qkv_proj``: Q, K and V cut from one tensor by three Slices along its last axis, back to back
         and in that order, which is already the kernel's packed layout. None when they are not Slices."""
@@ -366,6 +469,15 @@ class FuseGroupQueryAttention(Pass):
     @staticmethod
     def _emit_pack(g: Graph, packing) -> tuple[list[str], dict[str, list[onnx.NodeProto]]]:
         kind, found = packing
+        if kind == "heads":  # (B, S, H * 3 * hd) -> (B, S, H, 3, hd) -> (B, S, 3, H, hd) -> (B, S, 3 * H * hd)
+            x3d, heads, head_size = found
+            view = g.add_initializer("qkv_heads_view", np.array([0, 0, heads, 3, head_size], np.int64))
+            flat = g.add_initializer("qkv_flat", np.array([0, 0, -1], np.int64))
+            t = [g.fresh(f"{x3d}_{k}") for k in ("heads", "grouped", "packed")]
+            return [t[2]], {"new": [
+                helper.make_node("Reshape", [x3d, view], [t[0]], name=g.fresh("QKVHeads")),
+                helper.make_node("Transpose", [t[0]], [t[1]], perm=[0, 1, 3, 2, 4], name=g.fresh("QKVGroup")),
+                helper.make_node("Reshape", [t[1], flat], [t[2]], name=g.fresh("QKVPacked"))], "old": []}
         if kind == "split":
             return [found.input[0]], {"new": [], "old": [found]}
         if kind == "slices":

@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from kiln.passes import weights
 
 MS_DOMAIN = "com.microsoft"
+_SCALING = {"Mul", "Div", "Add", "Sub"}
 
 
 class Graph:
@@ -101,6 +102,21 @@ class Graph:
             if p is not None:
                 stack.extend(i for i in p.input if i)
         return found
+
+    def before_scaling(self, value: str) -> str:
+        """Walk back from ``value`` through elementwise ops whose other operand is a constant over the last axis at
+        most (an lm_head's bias, Granite's logits scaling): the value that chain starts from (``value`` itself when
+        there is none)."""
+        while (p := self.producer.get(value)) is not None and p.op_type in _SCALING and len(p.input) == 2:
+            const = [i for i in p.input if self.is_constant(i)]
+            if len(const) != 1:
+                return value
+            shape = self.shape_of_constant(const[0])
+            shape = shape if shape is not None else self.constant(const[0]).shape
+            if any(d != 1 for d in shape[:-1]):
+                return value
+            value = next(i for i in p.input if i != const[0])
+        return value
 
     # --- edits ---------------------------------------------------------------------------
     def fresh(self, base: str) -> str:

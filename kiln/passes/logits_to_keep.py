@@ -7,7 +7,7 @@ hidden states before the head: ``K = 0`` (the default a runtime fills in) keeps 
 
 Recognised: the graph output ``logits`` produced by the head (MatMul, MatMulNBits or Gemm over (batch,
 sequence, hidden), or a last-axis Concat of such parts over one input), optionally followed by elementwise ops
-with a constant operand (Granite's logits scaling).
+with a constant operand over the vocabulary at most (Granite's logits scaling, Phi-2's head bias).
 Anything else is refused with the reason and the graph is left as it was.
 """
 
@@ -22,7 +22,6 @@ from kiln.passes.graph import Graph, attr
 
 INPUT = "logits_to_keep"
 _HEADS = {"MatMul", "MatMulNBits", "Gemm"}
-_SCALING = {"Mul", "Div", "Add", "Sub"}
 
 
 class LogitsToKeep(Pass):
@@ -65,16 +64,11 @@ class LogitsToKeep(Pass):
         return PassResult(g.model, True, {"sliced": 1})
 
     def _head(self, g: Graph) -> list[onnx.NodeProto]:
-        """The head node (or its parts): walk back from the output through constant-operand elementwise scaling
-        (checks only)."""
+        """The head node (or its parts): walk back from the output through constant-operand elementwise ops (a
+        scaling, a bias; checks only)."""
         if self.output not in g.graph_outputs:
             raise NoMatch(f"the graph has no {self.output} output")
-        cur = g.producer.get(self.output)
-        while cur is not None and cur.op_type in _SCALING:
-            const = [i for i in cur.input if g.constant(i) is not None and g.constant(i).size == 1]
-            if len(const) != 1:
-                raise NoMatch(f"{cur.op_type} {cur.name} before {self.output} is not a scaling by a constant")
-            cur = g.producer.get(next(i for i in cur.input if i not in const))
+        cur = g.producer.get(g.before_scaling(self.output))
         parts = [cur]
         if cur is not None and cur.op_type == "Concat" and attr(cur, "axis", 0) in (-1, 2):
             # a head lowered in parts (quantize-nbits' PART_BYTES): every part reads the same hidden states

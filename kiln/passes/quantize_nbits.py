@@ -278,7 +278,7 @@ class QuantizeBlockwise(Pass):
 
     ``given``: codes computed elsewhere (GPTQ, an imported checkpoint), packed as they are.
     Other weights are rounded to nearest on ``grid``. ``head_bits``: the lm_head (the MatMul whose output is a
-    graph output, or whose weight is the transpose of the embedding table): None as the rest, 0 keeps FP32.
+    graph output, through a bias or a scaling at most, or whose weight is the transpose of the embedding table): None as the rest, 0 keeps FP32.
     ``embedding_bits``: the token-embedding Gather's table -> ``GatherBlockQuantized`` (0: kept FP32; CPU form)."""
 
     name = "quantize-nbits"
@@ -311,7 +311,7 @@ class QuantizeBlockwise(Pass):
             return PassResult(g.model, False, stats, [Reason("graph", f"opset {opset}: blocked DequantizeLinear needs "
                                                                      "opset 21 or later (compile with --opset 21+)")])
         tables = self._tables(g)
-        outputs = {o.name for o in g.g.output}
+        outputs = {g.before_scaling(o.name) for o in g.g.output}  # a head may end in a bias or a scaling
         plans = []  # (matmul, its prepared initializers): every decision before the first change
         handles = g.nodes_of("MatMul")
         progress = Progress("quantize-nbits: weights", len(handles))

@@ -13,7 +13,8 @@ from kiln.compiler import compile
 
 NEW = [("electra", "base", "fuse-attention"), ("xlm-roberta", "base", "fuse-attention"),
        ("granite", "causal-lm", "fuse-gqa"), ("olmo", "causal-lm", "fuse-gqa"), ("starcoder2", "causal-lm", "fuse-gqa"),
-       ("qwen3", "causal-lm", "fuse-gqa"), ("gemma3_text", "causal-lm", "fuse-gqa"), ("phi3", "causal-lm", "fuse-gqa")]
+       ("qwen3", "causal-lm", "fuse-gqa"), ("gemma3_text", "causal-lm", "fuse-gqa"), ("phi3", "causal-lm", "fuse-gqa"),
+       ("stablelm", "causal-lm", "fuse-gqa"), ("gpt_neox", "causal-lm", "fuse-gqa"), ("phi", "causal-lm", "fuse-gqa")]
 
 
 @pytest.mark.parametrize("family,head,rule", NEW, ids=[f for f, _, _ in NEW])
@@ -33,10 +34,11 @@ def test_new_family_compiles_with_full_coverage(tmp_path, family, head, rule):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
-def test_head_norm_families_quantize(tmp_path, family, precision):
-    """Q/K-normed families (Gemma 3 with a sliding and a global layer) quantize with full coverage, parity and the
-    KV-cache generation check."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi"])
+def test_new_decoder_families_quantize(tmp_path, family, precision):
+    """The newer decoder families quantize with full coverage, parity and the KV-cache generation check: Q/K norms
+    (Gemma 3 with a sliding and a global layer), packed projections (Phi-3's Slices, GPT-NeoX's per-head layout),
+    partial rotary, and an lm_head with a bias (Phi-2), which is still found and lowered as the head."""
     ckpt = save_checkpoint(tmp_path / family, family, "causal-lm")
     out = compile(ckpt, tmp_path / "art", fast_options(precision=precision))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -45,14 +47,17 @@ def test_head_norm_families_quantize(tmp_path, family, precision):
     assert passes["fuse-gqa"]["coverage"] == {"expected": 2, "fused": 2}
     assert passes["kv-cache"]["coverage"] == {"expected": 2, "fused": 2}
     q = passes["quantize-nbits"]["stats"]
-    assert q["bits"] == (8 if precision == "int8" else 4) and q["quantized"] >= 2 * 4
+    assert q["bits"] == (8 if precision == "int8" else 4) and q["quantized"] >= 2 * 4 and q["head"] == "int8"
+    assert passes["logits-to-keep"]["stats"]["sliced"] == 1
 
 
 def test_partial_rotary_fails_naming_the_rule_and_why(tmp_path, capsys):
-    ckpt = save_checkpoint(tmp_path / "stablelm", "stablelm", "causal-lm")
+    """Rotary over 8 of each head's 32 features: the kernel's cos/sin caches must be a multiple of 8 wide."""
+    ckpt = save_checkpoint(tmp_path / "stablelm", "stablelm-rd8", "causal-lm")
     rc = main(["compile", str(ckpt), "-o", str(tmp_path / "art"), "-q"])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("kiln compile: error:") == 1
-    assert "fuse-gqa fused 0 of 2 expected" in err and "partial rotary" in err and "--allow-partial-fusion" in err
+    assert "fuse-gqa fused 0 of 2 expected" in err and "partial rotary over 8 of 32 features" in err
+    assert "multiple of 16" in err and "--allow-partial-fusion" in err
     assert "not support" not in err  # refused for its graph, not its name
     assert not (tmp_path / "art").exists()

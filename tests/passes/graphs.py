@@ -131,13 +131,16 @@ HD = 16  # GroupQueryAttention needs a head size that is a multiple of 16
 def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int = HD, rotary: bool = True,
                             packed: bool | str = False, causal: bool = True, bias: bool = True, seed: int = 0,
                             head_norm: str | None = None, merge_view: bool = False,
-                            slice_order: str = "qkv") -> onnx.ModelProto:
+                            slice_order: str = "qkv", rotary_dim: int | None = None) -> onnx.ModelProto:
     """One decoder self-attention layer as torch.onnx exports it: projections (or a packed Split), head split,
     RotaryEmbedding from mask-derived positions, repeat_kv, Attention-23 with a causal & padding bool mask, merge.
     ``head_norm``: an RMSNorm over each head's features on Q and K, ``"before"`` the head split's Transpose (Qwen3)
     or ``"after"`` it (Gemma 3). ``packed="slices"`` with ``merge_view``: Phi-3's export, Q, K and V cut from the
     packed projection by three Slices (``slice_order`` the order their columns lie in) and a (B, -1, S, head size)
-    Reshape of the attention output before the merge."""
+    Reshape of the attention output before the merge. ``packed="heads"``: GPT-NeoX's export, one projection whose
+    output each head's Q, K and V lie side by side in, viewed as (B, S, heads, 3 x head size), transposed and Split
+    in three. ``rotary_dim``: partial rotary (StableLM, Phi-2), the first ``rotary_dim`` features of each Q and K
+    head rotated by a RotaryEmbedding on a Slice, Concat with the unrotated rest."""
     rng = np.random.default_rng(seed)
     d = q_heads * head_size
     widths = {"q": d, "k": kv_heads * head_size, "v": kv_heads * head_size}
@@ -147,7 +150,15 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
                         _init("ax_2", np.array([2], np.int64)), _init("c_one1", np.array([1], np.int64)),
                         _init("merge_shape", np.array([0, 0, d], np.int64))]
     src = {}
-    if packed:
+    if packed == "heads":  # (B, S, H * 3 * hd) -> (B, S, H, 3 hd) -> (B, H, S, 3 hd) -> Split -> q_t, k_t, v_t
+        assert q_heads == kv_heads and head_norm is None
+        inits += [_init("Wqkv", rng.standard_normal((d, 3 * d)).astype(np.float32) * 0.3),
+                  _init("qkv_shape", np.array([0, 0, q_heads, 3 * head_size], np.int64))]
+        nodes += [helper.make_node("MatMul", ["x", "Wqkv"], ["qkv"], name="qkv_mm"),
+                  helper.make_node("Reshape", ["qkv", "qkv_shape"], ["qkv_heads"], name="qkv_reshape"),
+                  helper.make_node("Transpose", ["qkv_heads"], ["qkv_t"], name="qkv_t", perm=[0, 2, 1, 3]),
+                  helper.make_node("Split", ["qkv_t"], ["q_t", "k_t", "v_t"], name="qkv_split", axis=3, num_outputs=3)]
+    elif packed:
         inits += [_init("Wqkv", rng.standard_normal((d, sum(widths.values()))).astype(np.float32) * 0.3),
                   _init("split_sizes", np.array(list(widths.values()), np.int64))]
         nodes.append(helper.make_node("MatMul", ["x", "Wqkv"], ["qkv"], name="qkv_mm"))
@@ -173,7 +184,7 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
                 nodes.append(helper.make_node("Add", [f"{t}_mm", f"b{t}"], [f"{t}_lin"], name=f"{t}_add"))
                 src[t] = f"{t}_lin"
     heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
-    for t in widths:
+    for t in widths if packed != "heads" else ():
         inits.append(_init(f"{t}_shape", np.array([0, 0, heads[t], head_size], np.int64)))
         normed = head_norm is not None and t != "v"
         if normed:
@@ -191,7 +202,8 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
             norm.output[0] = f"{t}_t"
             nodes.append(norm)
     # positions = cumsum(mask) - 1, clipped at 0; angles = positions x inv_freq
-    inv_freq = (1.0 / 10000 ** (np.arange(0, head_size, 2) / head_size)).astype(np.float32)
+    rd = rotary_dim or head_size
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rd, 2) / rd)).astype(np.float32)
     inits.append(_init("inv_freq", inv_freq))
     nodes += [helper.make_node("CumSum", ["attention_mask", "c_one"], ["cumsum"]),
               helper.make_node("Sub", ["cumsum", "c_one"], ["pos0"]),
@@ -201,7 +213,17 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
               helper.make_node("Mul", ["posf", "inv_freq"], ["angles"]),
               helper.make_node("Cos", ["angles"], ["cos"]), helper.make_node("Sin", ["angles"], ["sin"])]
     q, k, v = "q_t", "k_t", "v_t"
-    if rotary:
+    if rotary and rotary_dim:
+        inits += [_init("rd_lo", np.array([0], np.int64)), _init("rd_hi", np.array([rotary_dim], np.int64)),
+                  _init("rd_end", np.array([np.iinfo(np.int64).max], np.int64)), _init("ax_3", np.array([3], np.int64))]
+        for t, h in (("q", q_heads), ("k", kv_heads)):
+            nodes += [helper.make_node("Slice", [f"{t}_t", "rd_lo", "rd_hi", "ax_3"], [f"{t}_part"], name=f"{t}_part"),
+                      helper.make_node("Slice", [f"{t}_t", "rd_hi", "rd_end", "ax_3"], [f"{t}_pass"], name=f"{t}_pass"),
+                      helper.make_node("RotaryEmbedding", [f"{t}_part", "cos", "sin"], [f"{t}_part_rot"],
+                                       name=f"{t}_rope", num_heads=h),
+                      helper.make_node("Concat", [f"{t}_part_rot", f"{t}_pass"], [f"{t}_rot"], name=f"{t}_cat", axis=-1)]
+        q, k = "q_rot", "k_rot"
+    elif rotary:
         nodes += [helper.make_node("RotaryEmbedding", ["q_t", "cos", "sin"], ["q_rot"], name="q_rope", num_heads=q_heads),
                   helper.make_node("RotaryEmbedding", ["k_t", "cos", "sin"], ["k_rot"], name="k_rope", num_heads=kv_heads)]
         q, k = "q_rot", "k_rot"

@@ -93,6 +93,35 @@ def test_packed_slices_out_of_order_are_refused_unchanged():
     assert out.SerializeToString() == model.SerializeToString()
 
 
+@pytest.mark.parametrize("q_heads,kv_heads,packed", [(4, 2, False), (2, 2, "heads")])
+def test_partial_rotary_goes_into_the_kernel_and_matches_unfused(q_heads, kv_heads, packed):
+    """StableLM / Phi-2 (separate projections) and GPT-NeoX (each head's Q, K, V side by side, Split after the
+    Transpose): 16 of 32 features rotated. The Slices, RotaryEmbedding and Concat go; the kernel's cos/sin caches
+    are 8 wide; GPT-NeoX's projection is regrouped into the kernel's packed Q, K, V layout."""
+    from onnx import numpy_helper
+
+    model = decoder_attention_graph(q_heads, kv_heads, head_size=32, rotary_dim=16, packed=packed, bias=False)
+    fused, record = run_passes(model, [gqa(q_heads, kv_heads)])
+    assert record[0]["stats"] == {"fused": 1, "rotary": 1, "packed_qkv": 1}
+    ops = op_types(fused)
+    assert {"Attention", "RotaryEmbedding", "Slice", "Split"}.isdisjoint(ops)
+    assert ops.count("Transpose") == (1 if packed else 0)  # GPT-NeoX: the regroup replaces the head split's
+    assert not {f"{t}_{part}" for t in "qk" for part in ("part", "pass", "cat")} & {n.name for n in fused.graph.node}
+    node = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")
+    caches = {t.name: numpy_helper.to_array(t) for t in fused.graph.initializer if t.name in node.input[7:9]}
+    assert [c.shape for c in caches.values()] == [(32, 8), (32, 8)]
+    assert_matches_unfused(model, fused, q_heads * 32)
+
+
+def test_partial_rotary_narrower_than_the_kernel_takes_is_refused_unchanged():
+    """Rotary over 8 features: GroupQueryAttention's cos/sin caches must be a multiple of 8 wide (16 features)."""
+    model = decoder_attention_graph(4, 2, head_size=32, rotary_dim=8)
+    out, record = run_passes(model, [gqa(4, 2)])
+    assert record[0]["modified"] is False
+    assert "partial rotary over 8 of 32 features" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == model.SerializeToString()
+
+
 def test_sliding_window_is_set_per_layer():
     fused, _ = run_passes(decoder_attention_graph(), [gqa(sliding_windows=(3,))])
     node = next(n for n in fused.graph.node if n.op_type == "GroupQueryAttention")

@@ -13,17 +13,22 @@ from kiln.passes import run_passes
 from kiln.passes.logits_to_keep import INPUT, LogitsToKeep
 
 
-def head_graph(op: str = "MatMul", scaled: bool = True, rank: int = 3, tied: bool = False) -> onnx.ModelProto:
-    """x -> Relu -> head -> [scale] -> logits; ``tied``: the head reads Transpose(table), as a tied lm_head does."""
+def head_graph(op: str = "MatMul", scaled: bool = True, rank: int = 3, tied: bool = False,
+               bias: bool = False) -> onnx.ModelProto:
+    """x -> Relu -> head -> [scale] -> [+ bias] -> logits; ``tied``: the head reads Transpose(table), as a tied
+    lm_head does; ``bias``: a (vocab,) bias after the scale (Phi-2's lm_head)."""
     rng = np.random.default_rng(0)
     table = rng.normal(size=(10, 4) if tied else (4, 10)).astype(np.float32)
     inits = [numpy_helper.from_array(table, "W"), numpy_helper.from_array(np.array(0.5, np.float32), "s")]
     nodes = [helper.make_node("Relu", ["x"], ["h"])]
     if tied:
         nodes.append(helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]))
-    nodes.append(helper.make_node(op, ["h", "Wt" if tied else "W"], ["z" if scaled else "logits"], name="head"))
+    nodes.append(helper.make_node(op, ["h", "Wt" if tied else "W"], ["z" if scaled or bias else "logits"], name="head"))
     if scaled:
-        nodes.append(helper.make_node("Mul", ["z", "s"], ["logits"], name="scale"))
+        nodes.append(helper.make_node("Mul", ["z", "s"], ["zs" if bias else "logits"], name="scale"))
+    if bias:
+        inits.append(numpy_helper.from_array(rng.normal(size=10).astype(np.float32), "b"))
+        nodes.append(helper.make_node("Add", ["zs" if scaled else "z", "b"], ["logits"], name="bias"))
     dims = ["batch", "sequence", 10][-rank:] if rank == 3 else ["rows", 10]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", 4]
                                                                          if rank == 3 else ["rows", 4])],
@@ -37,9 +42,10 @@ def run(model, x, keep=None):
     return s.run(["logits"], feeds)[0]
 
 
-@pytest.mark.parametrize("scaled,tied", [(True, False), (False, False), (True, True)])
-def test_keeps_all_or_the_last_k_positions(scaled, tied):
-    model = head_graph(scaled=scaled, tied=tied)
+@pytest.mark.parametrize("scaled,tied,bias", [(True, False, False), (False, False, False), (True, True, False),
+                                              (True, False, True), (False, False, True)])
+def test_keeps_all_or_the_last_k_positions(scaled, tied, bias):
+    model = head_graph(scaled=scaled, tied=tied, bias=bias)
     out, record = run_passes(model, [LogitsToKeep()])
     assert record[0]["stats"] == {"sliced": 1}
     x = np.random.default_rng(1).normal(size=(2, 7, 4)).astype(np.float32)

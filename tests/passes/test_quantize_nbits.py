@@ -113,6 +113,26 @@ def test_tied_head_through_a_transpose_is_quantized():
     np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], e[ids] @ wq, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias_shape,is_head", [((40,), True), ((1, 1, 40), True), ((3, 1, 40), False)])
+def test_head_is_found_through_its_bias(bias_shape, is_head):
+    """Phi-2's lm_head adds a bias before ``logits``: still the head (lowered at ``head_bits``), while an Add whose
+    constant varies along another axis is not a bias and hides the head."""
+    rng = np.random.default_rng(5)
+    w1, wh = (rng.standard_normal(s).astype(np.float32) for s in ((64, 64), (64, 40)))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"], name="block"),
+                           helper.make_node("MatMul", ["h", "wh"], ["z"], name="head"),
+                           helper.make_node("Add", ["z", "b"], ["logits"], name="bias")],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, "S", 64])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, "S", 40])],
+                          [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(wh, "wh"),
+                           numpy_helper.from_array(rng.standard_normal(bias_shape).astype(np.float32), "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=8, accuracy_level=0)])
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in out.graph.node if n.op_type == "MatMulNBits"]
+    assert bits == ([4, 8] if is_head else [4, 4])
+    assert record[0]["stats"]["head"] == ("int8" if is_head else None)
+
+
 # --- INT4: grids, formats, codes handed in, act-order, the DequantizeLinear (TensorRT) form ---------------------
 
 
