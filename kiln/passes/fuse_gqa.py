@@ -66,6 +66,18 @@ def _used_only_within(g: Graph, nodes: list[onnx.NodeProto]) -> None:
                 raise NoMatch(f"{o} has other users; fusing would duplicate it")
 
 
+def _constant_cut(g: Graph, sl: onnx.NodeProto, axes: tuple[int, ...], what: str) -> tuple[int, int]:
+    """Slice ``sl``'s constant (start, end) on one of ``axes`` with step 1; NoMatch naming ``what`` otherwise."""
+    starts, ends, axis, steps = (g.constant(sl.input[i]) if len(sl.input) > i and sl.input[i] else None
+                                 for i in (1, 2, 3, 4))
+    if starts is None or ends is None or starts.size != 1 or ends.size != 1:
+        raise NoMatch(f"Slice {sl.name} of {what} has no constant bounds")
+    if axis is None or axis.size != 1 or int(axis.reshape(-1)[0]) not in axes or \
+            (steps is not None and steps.reshape(-1).tolist() != [1]):
+        raise NoMatch(f"Slice {sl.name} does not cut {what}'s last axis with step 1")
+    return int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
+
+
 class FuseGroupQueryAttention(Pass):
     name = "fuse-gqa"
 
@@ -189,14 +201,7 @@ class FuseGroupQueryAttention(Pass):
         first = g.producer.get(rope.input[0])
         if first is None or first.op_type != "Slice" or first.input[0] != rest.input[0]:
             raise NoMatch(f"partial rotary: the rotated and unrotated parts of {role} are not slices of one tensor")
-        bounds = []
-        for sl in (first, rest):
-            starts, ends, axes, steps = (g.constant(sl.input[i]) if len(sl.input) > i and sl.input[i] else None
-                                         for i in (1, 2, 3, 4))
-            if starts is None or ends is None or axes is None or starts.size != 1 or ends.size != 1 or \
-                    int(axes.reshape(-1)[0]) not in (-1, 3) or (steps is not None and steps.reshape(-1).tolist() != [1]):
-                raise NoMatch(f"partial rotary: Slice {sl.name} of {role} is not a constant cut of the last axis")
-            bounds.append((int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])))
+        bounds = [_constant_cut(g, sl, (-1, 3), f"partial rotary {role}") for sl in (first, rest)]
         (a0, a1), (b0, b1) = bounds
         if a0 != 0 or a1 <= 0 or b0 != a1 or b1 < (1 << 31):  # the rest runs to the end (an int64 max bound)
             raise NoMatch(f"partial rotary: slices {bounds} of {role} are not [0, d) and [d, end)")
@@ -324,7 +329,7 @@ class FuseGroupQueryAttention(Pass):
                    self._emit_norms(g, new, k3, k_norms, head_size, shared), v3]
             proj_nodes: dict[str, list[onnx.NodeProto]] = {"new": [], "old": []}
         else:
-            qkv, proj_nodes = self._emit_pack(g, packing)
+            qkv, proj_nodes = self._emit_pack(g, packing, shared)
         new += proj_nodes["new"]
         bias = self._padding_bias(g, new, shared)
         seqlens, total = self._lengths(g, new, shared)
@@ -410,13 +415,14 @@ class FuseGroupQueryAttention(Pass):
         if hq != self.num_kv_heads:
             raise NoMatch(f"per-head packed QKV with {hq} query and {self.num_kv_heads} KV heads: only equal counts "
                           "are packed this way")
-        cat = g.parent(view, 1, "Concat")
-        target = g.constant(view.input[1])
-        last = target.reshape(-1)[-1] if target is not None else g.constant(cat.input[-1]) if cat is not None else None
-        heads = target.reshape(-1)[2] if target is not None else g.constant(cat.input[2]) if cat is not None else None
-        if last is None or heads is None or int(np.reshape(heads, -1)[0]) not in (-1, hq) or int(np.reshape(last, -1)[0]) % 3:
+        target = g.constant(view.input[1])  # constant, or Concat(batch, sequence, heads, 3 x head size) as exported
+        cat = g.parent(view, 1, "Concat") if target is None else None
+        dims = [g.constant(i) for i in cat.input[2:]] if cat is not None and len(cat.input) == 4 else [None]
+        if target is None and all(d is not None and d.size == 1 for d in dims):
+            target = np.concatenate([[0, 0], *(d.reshape(-1) for d in dims)])
+        if target is None or target.size != 4 or int(target[2]) not in (-1, hq) or int(target[3]) % 3:
             raise NoMatch(f"per-head packed QKV view {view.name} is not (batch, sequence, {hq}, 3 x head size)")
-        head_size = int(np.reshape(last, -1)[0]) // 3
+        head_size = int(target[3]) // 3
         return ("heads", (view.input[0], hq, head_size)), hq * head_size
 
     def _match_slices(self, g: Graph, q3: str, k3: str, v3: str, hq: int):
@@ -434,15 +440,8 @@ class FuseGroupQueryAttention(Pass):
             raise NoMatch("width of the packed QKV tensor is unknown")
         bounds = []
         for n in nodes:
-            starts, ends, axes, steps = (g.constant(n.input[i]) if len(n.input) > i and n.input[i] else None
-                                         for i in (1, 2, 3, 4))
-            if starts is None or ends is None or starts.size != 1 or ends.size != 1:
-                raise NoMatch(f"Slice {n.name} of the packed QKV tensor has no constant bounds")
-            if axes is None or axes.size != 1 or int(axes[0]) not in (-1, 2) or (steps is not None and
-                                                                              steps.tolist() != [1]):
-                raise NoMatch(f"Slice {n.name} does not cut the packed QKV tensor's last axis with step 1")
-            lo, hi = (int(v) + width if int(v) < 0 else min(int(v), width) for v in (starts[0], ends[0]))
-            bounds.append((lo, hi))
+            cut = _constant_cut(g, n, (-1, 2), "the packed QKV tensor")
+            bounds.append(tuple(v + width if v < 0 else min(v, width) for v in cut))
         (q0, q1), (k0, k1), (v0, v1) = bounds
         if not (q0 == 0 and q1 == k0 and k1 == v0 and v1 == width and k1 - k0 == v1 - v0 and
                 (k1 - k0) * hq == q1 * hk):
@@ -467,12 +466,16 @@ class FuseGroupQueryAttention(Pass):
         return h is not None and d is not None and h.tolist() in ([-1], [heads]) and d.tolist() == [head_size]
 
     @staticmethod
-    def _emit_pack(g: Graph, packing) -> tuple[list[str], dict[str, list[onnx.NodeProto]]]:
+    def _emit_pack(g: Graph, packing, shared: dict[str, str]) -> tuple[list[str], dict[str, list[onnx.NodeProto]]]:
         kind, found = packing
         if kind == "heads":  # (B, S, H * 3 * hd) -> (B, S, H, 3, hd) -> (B, S, 3, H, hd) -> (B, S, 3 * H * hd)
             x3d, heads, head_size = found
-            view = g.add_initializer("qkv_heads_view", np.array([0, 0, heads, 3, head_size], np.int64))
-            flat = g.add_initializer("qkv_flat", np.array([0, 0, -1], np.int64))
+            key = f"qkv_heads_view:{heads}:{head_size}"
+            if key not in shared:
+                shared[key] = g.add_initializer("qkv_heads_view", np.array([0, 0, heads, 3, head_size], np.int64))
+            if "head_flat" not in shared:
+                shared["head_flat"] = g.add_initializer("head_flat", np.array([0, 0, -1], np.int64))
+            view, flat = shared[key], shared["head_flat"]
             t = [g.fresh(f"{x3d}_{k}") for k in ("heads", "grouped", "packed")]
             return [t[2]], {"new": [
                 helper.make_node("Reshape", [x3d, view], [t[0]], name=g.fresh("QKVHeads")),

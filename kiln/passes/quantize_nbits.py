@@ -311,7 +311,7 @@ class QuantizeBlockwise(Pass):
             return PassResult(g.model, False, stats, [Reason("graph", f"opset {opset}: blocked DequantizeLinear needs "
                                                                      "opset 21 or later (compile with --opset 21+)")])
         tables = self._tables(g)
-        outputs = {g.before_scaling(o.name) for o in g.g.output}  # a head may end in a bias or a scaling
+        ends = {g.before_scaling(o.name) for o in g.g.output}  # what a head writes: an output, or before its bias / scaling
         plans = []  # (matmul, its prepared initializers): every decision before the first change
         handles = g.nodes_of("MatMul")
         progress = Progress("quantize-nbits: weights", len(handles))
@@ -325,7 +325,7 @@ class QuantizeBlockwise(Pass):
                                              f"{self.min_elements} elements: nothing to quantize"))
                 continue
             tr = g.producer.get(mm.input[1])
-            head = mm.output[0] in outputs or (tr is not None and tr.op_type == "Transpose" and tr.input[0] in tables)
+            head = mm.output[0] in ends or (tr is not None and tr.op_type == "Transpose" and tr.input[0] in tables)
             fp32 = "accuracy budget" if mm.input[1] in self.keep_fp32 else \
                 "--lm-head fp32" if head and self.head_bits == 0 else None
             if fp32:  # before a promotion: the budget never lowers a weight the options keep FP32
