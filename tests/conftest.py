@@ -119,6 +119,10 @@ def make_model(family: str, head: str):
         cfg = T.Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=128, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
                            bos_token_id=2, **common)
+    elif family == "qwen3_moe":  # routed experts (4, top 2) in every layer, q/k norms as qwen3
+        cfg = T.Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=128, **common)
     elif family == "t5":
         cfg = T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, n_positions=128, **common)

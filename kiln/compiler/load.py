@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler import gguf
+from kiln.compiler.experts import use_dense_experts
 from kiln.compiler.quantize import gptq_format
 from kiln.compiler.scoped import quiet_transformers
 from kiln.errors import CheckpointError, UnsupportedModelError
@@ -390,6 +391,7 @@ def _checkpoint(path: Path, task: str | None, raw: dict[str, Any], stream: bool,
         else:
             model, info, attention = load_model(path, task, raw["model_type"])
         tokenizer, problem = load_tokenizer(path)
+    use_dense_experts(model)  # routed experts as one MatMul pair per expert (kiln.compiler.experts)
     missing = [k for k in info.get("missing_keys", []) if k]
     mismatched = info.get("mismatched_keys", [])
     if missing or mismatched:

@@ -19,6 +19,7 @@ import onnx
 
 import kiln.runtimes as kr
 from kiln.compiler import gguf, lazy, trace
+from kiln.compiler.experts import config_experts
 from kiln.compiler.load import Checkpoint, check_weights, model_kind, read_config
 from kiln.compiler.options import STREAM_ABOVE, CompileOptions
 from kiln.compiler.quantize import gptq_format
@@ -54,6 +55,7 @@ def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
         if qcfg is not None and size is not None:  # what its Linears dequantize to
             size = gptq_format.DequantizedWeights(path, gptq_format.Layout(path, qcfg)).fp32_bytes()
     why = ("encoder-decoders are not streamed yet" if kind == "seq2seq" else
+           f"its {config_experts(raw)} routed experts are not streamed yet" if config_experts(raw) else
            "its weights are not safetensors" if size is None else
            f"--precision {options.precision} with these settings is not streamed yet (fp32, dynamic int8 and int4 "
            "are)"

@@ -19,6 +19,7 @@ from kiln.passes import weights
 
 MS_DOMAIN = "com.microsoft"
 _SCALING = {"Mul", "Div", "Add", "Sub"}
+_ROUTING = _SCALING | {"Softmax", "LogSoftmax", "Sigmoid", "Cast"}
 
 
 class Graph:
@@ -117,6 +118,22 @@ class Graph:
                 return value
             value = next(i for i in p.input if i != const[0])
         return value
+
+    def routes(self, value: str, depth: int = 4) -> bool:
+        """Whether ``value`` is a mixture-of-experts router's logits: it reaches a TopK within ``depth`` elementwise
+        ops (Softmax, Sigmoid, Cast, a bias or a scale). The quantizers keep such a MatMul in FP32: a rounded router
+        picks other experts, which no later layer can undo (llama.cpp keeps its routers in FP32 too)."""
+        frontier = [value]
+        for _ in range(depth + 1):
+            step = []
+            for v in frontier:
+                for c in self.consumers.get(v, []):
+                    if c.op_type == "TopK" and c.input[0] == v:
+                        return True
+                    if c.op_type in _ROUTING:
+                        step.extend(o for o in c.output if o)
+            frontier = step
+        return False
 
     # --- edits ---------------------------------------------------------------------------
     def fresh(self, base: str) -> str:

@@ -47,8 +47,9 @@ def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
 
 def matmul_weight(g: Graph, node: onnx.NodeProto, min_elements: int) -> np.ndarray | None:
     """The weight of a MatMul the quantizers take (2-D FP32 constant, at least ``min_elements`` elements
-    and ``MIN_INNER`` input channels), else None. Shared by both quantizers and the budget."""
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+    and ``MIN_INNER`` input channels, not a mixture-of-experts router: ``Graph.routes``), else None. Shared by both
+    quantizers and the budget."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or g.routes(node.output[0]):
         return None
     w = g.constant(node.input[1])
     return w if quantizable_matrix(w, min_elements) else None

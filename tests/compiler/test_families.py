@@ -14,7 +14,8 @@ from kiln.compiler import compile
 NEW = [("electra", "base", "fuse-attention"), ("xlm-roberta", "base", "fuse-attention"),
        ("granite", "causal-lm", "fuse-gqa"), ("olmo", "causal-lm", "fuse-gqa"), ("starcoder2", "causal-lm", "fuse-gqa"),
        ("qwen3", "causal-lm", "fuse-gqa"), ("gemma3_text", "causal-lm", "fuse-gqa"), ("phi3", "causal-lm", "fuse-gqa"),
-       ("stablelm", "causal-lm", "fuse-gqa"), ("gpt_neox", "causal-lm", "fuse-gqa"), ("phi", "causal-lm", "fuse-gqa")]
+       ("stablelm", "causal-lm", "fuse-gqa"), ("gpt_neox", "causal-lm", "fuse-gqa"), ("phi", "causal-lm", "fuse-gqa"),
+       ("qwen3_moe", "causal-lm", "fuse-gqa")]
 
 
 @pytest.mark.parametrize("family,head,rule", NEW, ids=[f for f, _, _ in NEW])
@@ -34,11 +35,12 @@ def test_new_family_compiles_with_full_coverage(tmp_path, family, head, rule):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi", "qwen3_moe"])
 def test_new_decoder_families_quantize(tmp_path, family, precision):
     """The newer decoder families quantize with full coverage, parity and the KV-cache generation check: Q/K norms
     (Gemma 3 with a sliding and a global layer), packed projections (Phi-3's Slices, GPT-NeoX's per-head layout),
-    partial rotary, and an lm_head with a bias (Phi-2), which is still found and lowered as the head."""
+    partial rotary, an lm_head with a bias (Phi-2), which is still found and lowered as the head, and routed experts
+    (Qwen3-MoE: every expert's Linears quantized, GPTQ's codes for them at INT4)."""
     ckpt = save_checkpoint(tmp_path / family, family, "causal-lm")
     out = compile(ckpt, tmp_path / "art", fast_options(precision=precision))
     manifest = json.loads((out / "manifest.json").read_text())
@@ -49,6 +51,10 @@ def test_new_decoder_families_quantize(tmp_path, family, precision):
     q = passes["quantize-nbits"]["stats"]
     assert q["bits"] == (8 if precision == "int8" else 4) and q["quantized"] >= 2 * 4 and q["head"] == "int8"
     assert passes["logits-to-keep"]["stats"]["sliced"] == 1
+    if family == "qwen3_moe":  # 2 layers x (4 attention + 4 experts x 2) Linears, all solved by GPTQ at INT4
+        assert q["quantized"] == 2 * 12 + 1
+        if precision == "int4":
+            assert manifest["verification"]["quantization"]["int4"]["from_solver"] == 24
 
 
 def test_partial_rotary_fails_naming_the_rule_and_why(tmp_path, capsys):

@@ -320,3 +320,30 @@ def test_codebook_on_disk_gives_back_what_it_was_given(tmp_path):
     book.add(w2[:, 8:].copy(), Quantized(q3.codes[8:], q3.scales[8:], q3.zeros[8:], 4, 16, 64))
     packed = book.find(np.concatenate([w2[:, :8], w2[:, 8:]], 1) + 0)  # Q/K/V-style: side by side
     assert packed is not None
+
+
+@pytest.mark.parametrize("pass_", [QuantizeBlockwise(bits=4, block_size=32), QuantizeBlockwise(bits=8)],
+                         ids=["int4", "int8"])
+def test_mixture_of_experts_router_stays_fp32(pass_):
+    """A MatMul whose logits reach a TopK (through Softmax) picks experts: it is left as it was, while an expert's
+    MatMul of the same shape beside it is quantized."""
+    rng = np.random.default_rng(0)
+    router, expert = (rng.standard_normal((64, 32)).astype(np.float32) for _ in range(2))
+    nodes = [helper.make_node("MatMul", ["x", "router"], ["logits"], name="router"),
+             helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
+             helper.make_node("TopK", ["probs", "k"], ["top", "picked"], axis=-1),
+             helper.make_node("MatMul", ["x", "expert"], ["h"], name="expert")]
+    g = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 64])],
+                          [helper.make_tensor_value_info("top", TensorProto.FLOAT, ["T", 2]),
+                           helper.make_tensor_value_info("picked", TensorProto.INT64, ["T", 2]),
+                           helper.make_tensor_value_info("h", TensorProto.FLOAT, ["T", 32])],
+                          [numpy_helper.from_array(router, "router"), numpy_helper.from_array(expert, "expert"),
+                           numpy_helper.from_array(np.array([2], np.int64), "k")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    out, record = run_passes(model, [pass_])
+    assert record[0]["stats"]["quantized"] == 1 and op_types(out).count("MatMulNBits") == 1
+    kept = next(n for n in out.graph.node if n.name == "router")
+    assert kept.op_type == "MatMul" and list(kept.input) == ["x", "router"]
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    np.testing.assert_array_equal(run_unoptimised(out, {"x": x})[1], np.argsort(-(x @ router), axis=-1)[:, :2])

@@ -476,6 +476,8 @@ def _stages(block: Any, linears: dict[str, Any], hidden: Any, rest: tuple[tuple,
 def is_linear(m: Any) -> bool:
     import torch
 
+    if getattr(m, "kiln_router", False):  # a mixture-of-experts router stays FP32 (kiln.compiler.experts)
+        return False
     return isinstance(m, torch.nn.Linear) or (type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None
                                               and m.weight.dim() == 2)
 

@@ -1,0 +1,164 @@
+"""Decode speed of the newer decoder families against a Llama of the same shape, in one run.
+
+    python tools/bench_families.py [--families qwen3 phi3 ...] [--prompt 32] [--new-tokens 64] [--rounds 5]
+
+Every family is built here with random weights (fixed seed) at one shape: 8 layers, hidden 512, 8 query / 4 KV
+heads of 64 features, vocab 8192 (GPT-NeoX has no grouped KV heads: 8 / 8). Each MLP keeps its family's form
+(gated or not, packed or not), so parameter counts differ a little; Qwen3-MoE has 8 experts of 688, top 2, so
+its routed MLP FLOPs equal the Llama's 1376 and its weights are 4x the MLP. kiln compiles each at FP32 (fusion
+coverage still checked; parity is the tests' job), then a child process without torch (its OpenMP threads would
+slow ONNX Runtime) times batch-1 greedy decode of every artifact, rotating the order each round: decode tok/s =
+(new - 1) / (full call - prefill-only call), median of the rounds.
+
+Two ratios against the Llama: raw tok/s, and per weight byte (tok/s x the bytes a decode step reads), which
+removes the differences in size: a family on the fused path reads its weights as fast as the Llama does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+             max_position_embeddings=1024)
+FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi", "qwen3_moe"]
+
+
+def config(family: str):
+    import transformers as T
+
+    s = dict(SHAPE)
+    if family == "llama":
+        return T.LlamaConfig(intermediate_size=1376, **s)
+    if family == "qwen3":
+        return T.Qwen3Config(intermediate_size=1376, head_dim=64, **s)
+    if family == "gemma3_text":
+        return T.Gemma3TextConfig(intermediate_size=1376, head_dim=64, sliding_window=512, pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=2, **s)
+    if family == "phi3":
+        return T.Phi3Config(intermediate_size=1376, pad_token_id=0, eos_token_id=1, bos_token_id=2, **s)
+    if family == "stablelm":  # rotary over 16 of 64 features
+        return T.StableLmConfig(intermediate_size=1376, partial_rotary_factor=0.25, **s)
+    if family == "gpt_neox":  # no grouped KV heads; rotary over 16 of 64; MLP 4x hidden
+        s.pop("num_key_value_heads")
+        return T.GPTNeoXConfig(intermediate_size=2048, rotary_pct=0.25, **s)
+    if family == "phi":  # rotary over 32 of 64; parallel block; MLP 4x hidden
+        return T.PhiConfig(intermediate_size=2048, partial_rotary_factor=0.5, pad_token_id=0, **s)
+    if family == "qwen3_moe":
+        return T.Qwen3MoeConfig(intermediate_size=1376, moe_intermediate_size=688, num_experts=8, num_experts_per_tok=2,
+                                head_dim=64, **s)
+    raise SystemExit(f"unknown family {family}")
+
+
+def build(family: str, work: Path, threads: int) -> dict:
+    import torch
+    import transformers as T
+
+    from kiln.compiler import CompileOptions, compile
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ckpt = work / f"{family}-ckpt"
+    model.save_pretrained(ckpt)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    # a decode step reads every matrix but the embedding table (one row); a tied head is read as the head
+    read = 4 * (params - embed.numel() + (head.numel() if head is embed else 0))
+    t = time.perf_counter()
+    art = compile(ckpt, work / family, CompileOptions(threads=threads, verify=False))
+    manifest = json.loads((art / "manifest.json").read_text())
+    cov = {p["name"]: p.get("coverage") for p in manifest["passes"]}
+    return {"family": family, "artifact": str(art), "params": params, "read_bytes": read,
+            "compile_s": time.perf_counter() - t, "fuse_gqa": cov.get("fuse-gqa"), "kv_cache": cov.get("kv-cache")}
+
+
+def time_decode(artifacts: dict[str, str], prompt: int, new: int, rounds: int, threads: int) -> dict[str, float]:
+    """Child process (no torch): median decode tok/s per family."""
+    import numpy as np
+
+    import kiln.runtimes as kr
+    from bench_encoder import SESSION_CONFIG
+
+    models = {f: kr.load(a, threads=threads, session_config=SESSION_CONFIG) for f, a in artifacts.items()}
+    ids = np.random.default_rng(0).integers(3, SHAPE["vocab_size"], size=(1, prompt), dtype=np.int64)
+    mask = np.ones_like(ids)
+
+    def call(m, n):
+        t = time.perf_counter()
+        m.generate(ids, mask, max_new_tokens=n, stop_token_ids=[], pad_token_id=0)
+        return time.perf_counter() - t
+
+    for m in models.values():
+        call(m, new)  # warm-up
+    speeds: dict[str, list[float]] = {f: [] for f in models}
+    order = list(models)
+    for r in range(rounds):
+        for f in order[r % len(order):] + order[:r % len(order)]:
+            time.sleep(0.2)
+            first = statistics.median(call(models[f], 1) for _ in range(3))
+            speeds[f].append((new - 1) / max(call(models[f], new) - first, 1e-9))
+    return {f: statistics.median(v) for f, v in speeds.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="+", default=FAMILIES)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        artifacts = json.loads(args.child)
+        print(json.dumps(time_decode(artifacts, args.prompt, args.new_tokens, args.rounds, args.threads)))
+        return 0
+    import onnxruntime
+    import torch
+
+    from bench_encoder import cpu_name
+
+    families = ["llama"] + [f for f in args.families if f != "llama"]
+    work = Path(tempfile.mkdtemp(prefix="kiln-bench-families-"))
+    built = {}
+    for f in families:
+        print(f"[bench] build and compile {f}", file=sys.stderr, flush=True)
+        built[f] = build(f, work, args.threads)
+    child = subprocess.run([sys.executable, __file__, "--child", json.dumps({f: b["artifact"] for f, b in built.items()}),
+                            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                            "--rounds", str(args.rounds), "--threads", str(args.threads)],
+                           capture_output=True, text=True, check=True)
+    speed = json.loads(child.stdout.strip().splitlines()[-1])
+    flags = sorted({w for w in Path("/proc/cpuinfo").read_text().split() if w.startswith(("avx", "amx"))})
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cpus, threads {args.threads}, flags {' '.join(flags)}; "
+          f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
+    print(f"shape: 8 layers, hidden 512, 8 / 4 heads of 64, vocab 8192; FP32; batch 1, prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rotating rounds")
+    print(f"| family | params | MB read per step | fuse-gqa | kv-cache | decode tok/s | vs llama | per byte vs llama |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = speed["llama"] * built["llama"]["read_bytes"]
+    for f in families:
+        b = built[f]
+        cov = lambda c: f"{c['fused']}/{c['expected']}" if c else "-"  # noqa: E731
+        print(f"| {f} | {b['params'] / 1e6:.1f}M | {b['read_bytes'] / 1e6:.0f} | {cov(b['fuse_gqa'])} | "
+              f"{cov(b['kv_cache'])} | {speed[f]:.1f} | {speed[f] / speed['llama']:.2f}x | "
+              f"{speed[f] * b['read_bytes'] / base:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
