@@ -54,8 +54,9 @@ def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
         size = lazy.fp32_weight_bytes(path)
         if qcfg is not None and size is not None:  # what its Linears dequantize to
             size = gptq_format.DequantizedWeights(path, gptq_format.Layout(path, qcfg)).fp32_bytes()
+    experts = config_experts(raw)
     why = ("encoder-decoders are not streamed yet" if kind == "seq2seq" else
-           f"its {config_experts(raw)} routed experts are not streamed yet" if config_experts(raw) else
+           f"its {experts} routed experts are not streamed yet" if experts else
            "its weights are not safetensors" if size is None else
            f"--precision {options.precision} with these settings is not streamed yet (fp32, dynamic int8 and int4 "
            "are)"

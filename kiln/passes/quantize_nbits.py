@@ -256,10 +256,10 @@ def blockwise_weight(g: Graph, node: onnx.NodeProto, min_elements: int) -> np.nd
     """The (K, N) weight of a MatMul this pass takes: a constant (``matmul_weight``'s rule), or the transpose of
     one (a tied lm_head: ``MatMul(h, Transpose(embedding))``, whose transpose is too large to be folded)."""
     w = matmul_weight(g, node, min_elements)
-    if w is not None or node.op_type != "MatMul" or g.routes(node.output[0]):
+    if w is not None or node.op_type != "MatMul":
         return w
     tr = g.producer.get(node.input[1])
-    if tr is None or tr.op_type != "Transpose" or list(attr(tr, "perm", [1, 0])) != [1, 0]:
+    if tr is None or tr.op_type != "Transpose" or list(attr(tr, "perm", [1, 0])) != [1, 0] or g.routes(node.output[0]):
         return None
     t = g.constant(tr.input[0])
     w = t.T if t is not None else None
