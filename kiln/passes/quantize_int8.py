@@ -2,7 +2,8 @@
 and the fused ``com.microsoft.Attention`` (packed QKV weight) -> ``DynamicQuantizeLinear`` + ``QAttention``.
 
 Weights are int8, symmetric, one scale per output column (per-channel: a column of small weights
-does not lose its resolution to the largest column of the matrix); activations are quantized to
+does not lose its resolution to the largest column of the matrix), stored as uint8 codes with zero
+point 128 so that the kernel is exact on CPUs without VNNI (``unsigned_codes``); activations are quantized to
 uint8 per tensor at run time by the kernel. The bias Add that follows a MatMul is folded into the
 kernel. QAttention runs the packed QKV GEMM in INT8 (per-column weight scales) and the attention
 core in FP32, so one quantized input feeds all three projections. MatMuls whose second input is not
@@ -23,6 +24,8 @@ from kiln.passes.graph import MS_DOMAIN, Graph
 
 MIN_INNER = 16
 """A product over fewer input channels saves nothing in INT8 (split-outliers' FP32 side products)."""
+WEIGHT_ZERO = 128
+"""Zero point of the stored uint8 weight codes (``unsigned_codes``): the symmetric int8 values shifted by 128."""
 
 
 def quantize_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -35,6 +38,17 @@ def quantize_per_column(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_per_column(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * scale
+
+
+def unsigned_codes(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes (K, N) -> the same values as uint8 codes ``q + 128`` and their zero points (N,) of 128.
+
+    ONNX Runtime's uint8 x int8 kernels on x86 CPUs without VNNI (AVX2, AVX-512 before Cascade Lake) add
+    each pair of byte products in int16 with saturation (VPMADDUBSW): 255 * 127 * 2 overflows, and a
+    384 x 1536 product came out wrong by up to 41.6 on an AVX2 machine. uint8 x uint8 widens to int16
+    before multiplying and is exact on every CPU; the weight keeps all 255 levels (a 7-bit grid would
+    also avoid the overflow, at twice the rounding error)."""
+    return (q.astype(np.int16) + WEIGHT_ZERO).astype(np.uint8), np.full(q.shape[1], WEIGHT_ZERO, np.uint8)
 
 
 def fake_quantize_activation(x: np.ndarray) -> np.ndarray:
@@ -107,8 +121,9 @@ class QuantizeDynamicInt8(Pass):
                                              f"{MIN_INNER} input channels"))
                 continue
             q, scale = quantize_per_column(w)
-            inputs = [mm.input[0], g.add_initializer(f"{mm.input[1]}_int8", q), g.add_initializer(f"{mm.input[1]}_scale", scale),
-                      g.add_initializer(f"{mm.input[1]}_zero", np.zeros_like(q[0]))]
+            codes, zero = unsigned_codes(q)
+            inputs = [mm.input[0], g.add_initializer(f"{mm.input[1]}_u8", codes),
+                      g.add_initializer(f"{mm.input[1]}_scale", scale), g.add_initializer(f"{mm.input[1]}_zero", zero)]
             remove, out = [mm], mm.output[0]
             add = g.only_consumer(mm.output[0], "Add")
             if add is not None:
@@ -134,12 +149,13 @@ class QuantizeDynamicInt8(Pass):
                 skipped.append(Reason(where, f"weight {att.input[1]} kept in FP32 (accuracy budget)"))
                 continue
             q, scale = quantize_per_column(w)
+            codes, zero = unsigned_codes(q)
             x = att.input[0]
             xq, xs, xz = g.fresh(f"{x}_u8"), g.fresh(f"{x}_scale"), g.fresh(f"{x}_zero")
             mask = att.input[3] if len(att.input) > 3 else ""
-            inputs = [xq, g.add_initializer(f"{att.input[1]}_int8", q), att.input[2], xs,
+            inputs = [xq, g.add_initializer(f"{att.input[1]}_u8", codes), att.input[2], xs,
                       g.add_initializer(f"{att.input[1]}_scale", scale), mask, xz,
-                      g.add_initializer(f"{att.input[1]}_zero", np.zeros_like(q[0]))]
+                      g.add_initializer(f"{att.input[1]}_zero", zero)]
             attrs = {a.name: helper.get_attribute_value(a) for a in att.attribute}
             g.replace_nodes([att], [
                 helper.make_node("DynamicQuantizeLinear", [x], [xq, xs, xz], name=g.fresh("DynamicQuantizeLinear")),

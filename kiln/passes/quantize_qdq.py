@@ -2,7 +2,9 @@
 
 Activations get one calibrated range each (per tensor; one Q/DQ pair shared by every MatMul that
 reads the tensor, so Q, K and V projections quantize their common input once). Weights are int8,
-symmetric, one scale per output column, stored quantized behind a DequantizeLinear (axis 1).
+symmetric, one scale per output column, stored quantized behind a DequantizeLinear (axis 1): as
+int8 for TensorRT, as the same values in uint8 around 128 for ONNX Runtime (exact without VNNI,
+``quantize_int8.unsigned_codes``).
 
 Two flavours:
 - ``symmetric=False`` (ONNX Runtime CPU): activations uint8 with a zero point, so a post-GELU or
@@ -24,7 +26,7 @@ from onnx import helper
 from kiln.errors import KilnError
 from kiln.passes.base import Pass, PassResult, Reason
 from kiln.passes.graph import Graph
-from kiln.passes.quantize_int8 import candidates, quantize_per_column
+from kiln.passes.quantize_int8 import candidates, quantize_per_column, unsigned_codes
 
 
 def activation_qparams(lo: float, hi: float, symmetric: bool) -> tuple[np.float32, np.integer]:
@@ -100,8 +102,9 @@ class QuantizeStaticQDQ(Pass):
                         helper.make_node("DequantizeLinear", [q, s, z], [dq_of[act]], name=g.fresh("DequantizeLinear"))]
                 stats["activations"] += 1
             wq, wscale = quantize_per_column(g.constant(weight))
-            names = [g.add_initializer(f"{weight}_int8", wq), g.add_initializer(f"{weight}_scale", wscale),
-                     g.add_initializer(f"{weight}_zero", np.zeros(wq.shape[1], np.int8))]
+            wq, wzero = (wq, np.zeros(wq.shape[1], np.int8)) if self.symmetric else unsigned_codes(wq)
+            names = [g.add_initializer(f"{weight}_{wq.dtype}", wq), g.add_initializer(f"{weight}_scale", wscale),
+                     g.add_initializer(f"{weight}_zero", wzero)]
             wdq = g.fresh(f"{weight}_dq")
             new.append(helper.make_node("DequantizeLinear", names, [wdq], name=g.fresh("DequantizeLinear"), axis=1))
             mm.input[0], mm.input[1] = dq_of[act], wdq

@@ -50,13 +50,13 @@ def double_one_scale(model: onnx.ModelProto) -> None:
 
 
 def two_bit(model: onnx.ModelProto) -> None:
-    """Every INT8 weight code moved onto 4 levels: int8 codes (encoders), or uint8 codes around 128 (MatMulNBits)."""
-    blocked = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
+    """Every INT8 weight code moved onto 4 levels: uint8 codes around 128 (DynamicQuantizeMatMul, QAttention and
+    MatMulNBits all store their weights so)."""
+    coded = {n.input[1] for n in model.graph.node if n.op_type in ("DynamicQuantizeMatMul", "QAttention", "MatMulNBits")}
     for t in model.graph.initializer:
-        w = numpy_helper.to_array(t)
-        if w.dtype == np.int8 and w.ndim == 2:
-            t.CopyFrom(numpy_helper.from_array((np.clip(np.rint(w / 42.0), -2, 1) * 42).astype(np.int8), t.name))
-        elif t.name in blocked:
+        if t.name in coded:
+            w = numpy_helper.to_array(t)
+            assert w.dtype == np.uint8, (t.name, w.dtype)
             q = np.clip(np.rint((w.astype(np.float32) - 128) / 42.0), -2, 1) * 42 + 128
             t.CopyFrom(numpy_helper.from_array(q.astype(np.uint8), t.name))
 

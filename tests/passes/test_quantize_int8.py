@@ -13,6 +13,7 @@ from kiln.passes.quantize_int8 import (
     dequantize_per_column,
     fake_quantize_activation,
     quantize_per_column,
+    unsigned_codes,
 )
 
 K, N = 64, 48
@@ -28,6 +29,29 @@ def test_per_column_quantization_is_symmetric_and_bounded():
     err = np.abs(dequantize_per_column(q, scale) - w)
     assert (err <= scale / 2 + 1e-7).all()  # round to nearest, per column
     assert (dequantize_per_column(q, scale)[:, 3] == 0).all()
+
+
+def test_unsigned_codes_hold_the_same_values():
+    q = np.array([[-127, 0, 127], [5, -1, 64]], np.int8)
+    codes, zero = unsigned_codes(q)
+    assert codes.dtype == zero.dtype == np.uint8 and (zero == 128).all()
+    np.testing.assert_array_equal(codes.astype(np.int32) - zero.astype(np.int32), q)
+
+
+def test_exact_where_uint8_x_int8_pair_sums_saturate():
+    """The worst case of ONNX Runtime's uint8 x int8 kernel without VNNI: neighbouring weights at +-127 and
+    inputs far above the zero point, so pairs of products pass int16 (VPMADDUBSW). The stored uint8 codes
+    keep the product exact on every CPU; with the int8 codes an AVX2 machine was off by up to 41.6."""
+    rng = np.random.default_rng(3)
+    w = np.sign(rng.standard_normal((K, 1))).repeat(N, 1).astype(np.float32) * rng.uniform(0.5, 1, (1, N)).astype(np.float32)
+    model, _ = graph(bias=False, weight=w)
+    out, _ = run_passes(model, [QuantizeDynamicInt8()])
+    x = np.abs(rng.standard_normal((2, 5, K))).astype(np.float32) * np.sign(w[:, :1].T)[None]  # every product positive
+    x[..., 0] = -x[..., 0]  # a negative input: zero point above 0, the others well above it
+    f = {"x": x, "x2": np.eye(N, dtype=np.float32)[None].repeat(2, 0)}
+    q, scale = quantize_per_column(w)
+    expected = fake_quantize_activation(x) @ dequantize_per_column(q, scale)
+    np.testing.assert_allclose(run_unoptimised(out, f)[0], expected, rtol=1e-5, atol=1e-4)
 
 
 def graph(bias: bool = True, weight: np.ndarray | None = None, extra_use: bool = False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from graphs import op_types, run_unoptimised
@@ -102,6 +103,38 @@ def test_qdq_graph_matches_numpy_reference(symmetric):
     fused = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for a, b in zip(fused, run_unoptimised(out, {"x": x})):
         np.testing.assert_allclose(a, b, atol=1e-3)
+
+
+def test_tensorrt_flavour_runs_exact_on_the_cpu_with_the_runtimes_session_config(tmp_path):
+    """TensorRT's symmetric int8 Q/DQ on ONNX Runtime's CPU (verification, the CPU fallback): neighbouring weights at
+    +-127 and inputs near the int8 limits, where the fused int8 x int8 kernel of an x86 CPU without VNNI saturates
+    pairs of products in int16 (a tiny Llama's top-1 fell to 86% on AVX2). kiln.runtimes turns ONNX Runtime's QDQ
+    fusion off for TensorRT artifacts, and the result equals the numpy reference on every CPU."""
+    from kiln.runtimes import cpu_session_config
+    from kiln.runtimes.artifact import Manifest
+
+    rng = np.random.default_rng(4)
+    w = np.sign(rng.standard_normal((K, 1))).repeat(N, 1).astype(np.float32) * rng.uniform(0.5, 1, (1, N)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="proj")], "t",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", N])], [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    x = np.abs(rng.standard_normal((2, 5, K))).astype(np.float32) * np.sign(w[:, :1].T)[None]  # every product positive
+    out, _ = run_passes(model, [QuantizeStaticQDQ({"x": (float(x.min()), float(x.max()))}, symmetric=True)])
+    path = tmp_path / "model.onnx"
+    onnx.save(out, str(path))
+    config = cpu_session_config(Manifest(tmp_path, {"target": "tensorrt"}), "onnxruntime-cpu")
+    assert config == {"session.disable_quant_qdq": "1"}
+    assert cpu_session_config(Manifest(tmp_path, {"target": "onnxruntime-cpu"}), "onnxruntime-cpu") == {}
+    opts = ort.SessionOptions()
+    for k, v in config.items():
+        opts.add_session_config_entry(k, v)
+    got = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    s, z = activation_qparams(float(x.min()), float(x.max()), True)
+    wq, ws = quantize_per_column(w)
+    expected = dequantize_linear(quantize_linear(x, s, z), s, z) @ dequantize_per_column(wq, ws)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_tensorrt_flavour_is_symmetric_with_per_channel_weights_only():
