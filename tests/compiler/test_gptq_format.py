@@ -1,5 +1,5 @@
 """GPTQ checkpoints in and out: packing round trips, checkpoints hand-packed in the test from the format
-descriptions (AutoGPTQ v1/v2, compressed-tensors pack-quantized) read back to the same weights, kiln's export
+descriptions (AutoGPTQ v1/v2, AutoAWQ GEMM, compressed-tensors pack-quantized) read back to the same weights, kiln's export
 imported again with the same codes, and bad checkpoints as one-line errors."""
 
 from __future__ import annotations
@@ -204,6 +204,96 @@ def test_compressed_tensors_pack_quantized(tmp_path, checkpoints):
         assert streamed.codebook.find(np.ascontiguousarray(w.T)) is not None
 
 
+def hand_packed_awq(tmp_path, checkpoints, own_config=False):
+    """An AutoAWQ GEMM checkpoint written from the format description alone: q (K, N) in [0, 16), zero points z (G, N)
+    stored as they are, scales s (G, N) fp16, groups of 16 consecutive inputs; W[n, k] = s[k // 16, n] * (q[k, n] -
+    z[k // 16, n]); qweight (K, N / 8) and qzeros (G, N / 8) pack 8 output columns per int32, value i of word c
+    (bits 4i..4i+3) holding column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]."""
+    rng = np.random.default_rng(5)
+    src = checkpoints["llama"]
+    model = load_checkpoint(src).model
+    tensors = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    tensors.pop("lm_head.weight", None) if model.config.tie_word_embeddings else None
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    expected, gs = {}, 16
+
+    def pack(values):  # (R, N) -> (R, N / 8), the interleaved order along N
+        words = np.zeros((values.shape[0], values.shape[1] // 8), np.uint32)
+        for c in range(words.shape[1]):
+            for i in range(8):
+                words[:, c] |= values[:, 8 * c + order[i]].astype(np.uint32) << (4 * i)
+        return words.view(np.int32)
+
+    for name, m in linears(model).items():
+        n_out, k = m.weight.shape
+        q = rng.integers(0, 16, size=(k, n_out))
+        z = rng.integers(0, 16, size=(k // gs, n_out))
+        s = (rng.random((k // gs, n_out)) * 0.02 + 0.001).astype(np.float16)
+        tensors.pop(f"{name}.weight")
+        tensors.update({f"{name}.qweight": pack(q), f"{name}.qzeros": pack(z), f"{name}.scales": s})
+        expected[name] = (np.repeat(s.astype(np.float32), gs, 0) * (q - np.repeat(z, gs, 0))).T
+    out = tmp_path / "awq"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    if own_config:  # AutoAWQ's quant_config.json and its key names
+        (out / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": gs, "w_bit": 4,
+                                                           "version": "GEMM"}))
+    else:
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": gs, "zero_point": True,
+                                      "version": "gemm", "modules_to_not_convert": None}
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return out, expected
+
+
+@pytest.mark.parametrize("own_config", [False, True], ids=["config.json", "quant_config.json"])
+def test_hand_packed_awq_reads_to_the_described_weights(tmp_path, checkpoints, own_config):
+    path, expected = hand_packed_awq(tmp_path, checkpoints, own_config)
+    ckpt = load_checkpoint(path)
+    assert ckpt.imported == {"format": "awq (gemm)", "bits": 4, "group_size": 16, "sym": False, "layers": len(expected)}
+    got = linears(ckpt.model)
+    for name, w in expected.items():
+        np.testing.assert_allclose(got[name].weight.detach().numpy(), w, rtol=0, atol=1e-6)
+        q = ckpt.codebook.find(np.ascontiguousarray(w.T))
+        assert q is not None and q.zeros is not None and q.perm is None
+    streamed = load_checkpoint(path, stream=True)  # module by module: the same weights and codes
+    for name, w in expected.items():
+        np.testing.assert_allclose(streamed.weights.numpy(f"{name}.weight"), w, rtol=0, atol=1e-6)
+        assert streamed.codebook.find(np.ascontiguousarray(w.T)) is not None
+
+
+def test_hand_packed_awq_compiles_with_its_own_codes(tmp_path, checkpoints):
+    path, expected = hand_packed_awq(tmp_path, checkpoints)
+    out = compile(path, tmp_path / "art", fast_options())
+    m = json.loads((out / "manifest.json").read_text())
+    q = next(p for p in m["passes"] if p["name"] == "quantize-nbits")
+    assert m["precision"] == "int4" and m["model"]["source"]["format"] == "awq (gemm)"
+    assert q["int4"]["method"] == "imported awq (gemm)" and q["stats"]["given"] == 2 * 5  # QKV packed per layer
+    assert m["verification"]["status"] == "passed"
+
+
+def test_awq_pack_order_matters(tmp_path, checkpoints):
+    """A planted bug: reading the words in plain order (GPTQ's) gives other weights, far beyond the 1e-6 bound."""
+    from kiln.compiler.quantize import gptq_format
+
+    path, expected = hand_packed_awq(tmp_path, checkpoints)
+    name, w = next(iter(expected.items()))
+    from safetensors.numpy import load_file
+
+    t = {k.rsplit(".", 1)[1]: v for k, v in load_file(str(path / "model.safetensors")).items() if k.startswith(name + ".")}
+    good = gptq_format.from_awq(t, 4, 16, name).dequantize().T
+    np.testing.assert_allclose(good, w, rtol=0, atol=1e-6)
+    plain = gptq_format.AWQ_ORDER.copy()
+    try:
+        gptq_format.AWQ_ORDER[:] = np.arange(8)
+        assert np.abs(gptq_format.from_awq(t, 4, 16, name).dequantize().T - w).max() > 1e-3
+    finally:
+        gptq_format.AWQ_ORDER[:] = plain
+
+
 def test_export_then_import_gives_the_same_codes(tmp_path, checkpoints):
     out = tmp_path / "exported"
     assert main(["export-gptq", str(checkpoints["llama"]), "-o", str(out), "--group-size", "16", "-q"]) == 0
@@ -234,10 +324,15 @@ def test_unsupported_quantized_checkpoints_are_one_line_errors(tmp_path, checkpo
     code = main(["compile", str(path), "-o", str(tmp_path / "o1")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and "3-bit" in err[-1] and not (tmp_path / "o1").exists()
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "hqq", "bits": 4}
     (path / "config.json").write_text(json.dumps(cfg))
     assert main(["compile", str(path), "-o", str(tmp_path / "o2")]) == 1
-    assert "'awq'" in capsys.readouterr().err
+    assert "'hqq'" in capsys.readouterr().err
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemv"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert main(["compile", str(path), "-o", str(tmp_path / "o4")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "version gemv" in err[-1] and "GEMM" in err[-1] and not (tmp_path / "o4").exists()
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 16, "checkpoint_format": "gptq"}
     (path / "config.json").write_text(json.dumps(cfg))
     assert main(["compile", str(path), "-o", str(tmp_path / "o3"), "--precision", "int8"]) == 2

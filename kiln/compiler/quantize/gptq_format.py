@@ -5,7 +5,9 @@ per Linear ``qweight`` int32 (K / pack, N) packed along K, ``qzeros`` int32 (G, 
 ``scales`` (G, N), ``g_idx`` (K,) the group of each input; format v1 stores zero points minus one, v2 as they
 are; ``desc_act`` orders groups by activation) and compressed-tensors ``pack-quantized`` (llm-compressor's
 W4A16: ``weight_packed`` int32 (N, K / 8) packed along K, values offset by 2^(bits-1), ``weight_scale`` (N, G),
-symmetric). Each quantized Linear becomes the kernel's codes (a ``Codebook`` entry) and the FP32 weight those
+symmetric) and AutoAWQ's GEMM layout (``quant_method: awq``, version gemm: ``qweight`` int32 (K, N / 8) packed
+along N in the interleaved order ``AWQ_ORDER``, ``qzeros`` int32 (G, N / 8) the same way, ``scales`` (G, N), zero
+points stored as they are, groups in input order). Each quantized Linear becomes the kernel's codes (a ``Codebook`` entry) and the FP32 weight those
 codes dequantize to, so the compile finds the codes again and packs them as they are.
 
 Out: ``write_v1`` writes kiln's solver codes as a GPTQ v1 checkpoint, the layout most loaders read.
@@ -114,11 +116,43 @@ def from_compressed(t: dict[str, np.ndarray], bits: int, group_size: int, where:
     return Quantized(codes.reshape(n, scales.shape[1], layout), scales, None, bits, layout, k)
 
 
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+"""AutoAWQ's 4-bit packing order: value i of int32 word c holds output column 8c + AWQ_ORDER[i]."""
+
+
+def awq_columns(words: np.ndarray, bits: int) -> np.ndarray:
+    """AutoAWQ int32 words (R, N / 8) packed along the output dimension -> values (R, N) in column order."""
+    packed = unpack_int32(words, bits, 1)  # (R, N): value i of word c at position 8c + i
+    per = 32 // bits
+    target = (np.arange(packed.shape[1] // per)[:, None] * per + AWQ_ORDER[None, :per]).reshape(-1)
+    out = np.empty_like(packed)
+    out[:, target] = packed
+    return out
+
+
+def from_awq(t: dict[str, np.ndarray], bits: int, group_size: int, where: str) -> Quantized:
+    """AutoAWQ GEMM tensors -> kernel codes: W[n, k] = scales[g, n] * (q[k, n] - zeros[g, n]), g = k // group."""
+    q_kn = awq_columns(t["qweight"], bits)  # (K, N)
+    k, n = q_kn.shape
+    scales = t["scales"].astype(np.float32).T  # (N, G)
+    zeros = awq_columns(t["qzeros"], bits)[:, :n].T  # (N, G)
+    groups = scales.shape[1]
+    if group_size <= 0 or group_size * groups != k or group_size & (group_size - 1) or group_size < 16:
+        raise CheckpointError(f"{where}: {k} inputs in {groups} groups of {group_size}; kiln reads AWQ groups that "
+                              "are a power of two >= 16 and divide the inputs")
+    sym = bool(np.all(zeros == 1 << (bits - 1)))
+    return Quantized(np.ascontiguousarray(q_kn.T).reshape(n, groups, group_size), scales,
+                     None if sym else zeros.astype(np.uint8), bits, group_size, k)
+
+
 def quantization_config(path: Path, cfg: dict[str, Any]) -> dict[str, Any] | None:
     q = cfg.get("quantization_config")
     if q is None and (path / "quantize_config.json").is_file():
         q = json.loads((path / "quantize_config.json").read_text())
         q.setdefault("quant_method", "gptq")
+    if q is None and (path / "quant_config.json").is_file():  # AutoAWQ's own copy
+        q = json.loads((path / "quant_config.json").read_text())
+        q.setdefault("quant_method", "awq")
     return q
 
 
@@ -136,10 +170,10 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 class Layout:
-    """How a GPTQ or compressed-tensors checkpoint stores its quantized Linears: the settings (checked against what
+    """How a GPTQ, AWQ or compressed-tensors checkpoint stores its quantized Linears: the settings (checked against what
     kiln reads), which modules are quantized, and each module's codes from its packed tensors."""
 
-    SUFFIXES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    SUFFIXES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
                 "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx")}
 
     def __init__(self, path: Path, qcfg: dict[str, Any]) -> None:
@@ -153,6 +187,16 @@ class Layout:
             self.v1, self.sym = fmt == "gptq", bool(qcfg.get("sym", True))
             self.info = {"format": f"gptq ({'v1' if self.v1 else 'v2'})", "bits": self.bits, "group_size": self.group,
                          "desc_act": bool(qcfg.get("desc_act", False)), "sym": self.sym}
+        elif self.method == "awq":  # transformers' config names, or AutoAWQ's own quant_config.json names
+            self.bits = int(qcfg.get("bits", qcfg.get("w_bit", 4)))
+            self.group = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
+            version = str(qcfg.get("version", "gemm")).lower()
+            if self.bits not in GPTQ_BITS or version != "gemm" or not qcfg.get("zero_point", True):
+                raise CheckpointError(f"AWQ checkpoint {path}: {self.bits}-bit, version {version}, zero_point "
+                                      f"{qcfg.get('zero_point', True)}; kiln reads 4-bit AutoAWQ GEMM checkpoints with "
+                                      "zero points (re-save GEMV/Marlin/ExLlama layouts as GEMM)")
+            self.sym = False
+            self.info = {"format": "awq (gemm)", "bits": self.bits, "group_size": self.group, "sym": False}
         elif self.method == "compressed-tensors":
             if qcfg.get("format") != "pack-quantized":
                 raise CheckpointError(f"compressed-tensors checkpoint {path} has format {qcfg.get('format')!r}; kiln "
@@ -169,7 +213,7 @@ class Layout:
                          "sym": True}
         else:
             raise CheckpointError(f"checkpoint {path} is quantized with {self.method!r}; kiln compiles FP checkpoints, "
-                                  "GPTQ and compressed-tensors pack-quantized ones")
+                                  "GPTQ, AutoAWQ (GEMM) and compressed-tensors pack-quantized ones")
         self.suffixes = self.SUFFIXES[self.method]
 
     def modules(self, names: Any) -> list[str]:
@@ -185,6 +229,8 @@ class Layout:
         """One module's kernel codes from its packed tensors (by suffix)."""
         if self.method == "gptq":
             return from_gptq(t, self.bits, self.group, self.sym, self.v1, f"{self.path}: {name}")
+        if self.method == "awq":
+            return from_awq(t, self.bits, self.group, f"{self.path}: {name}")
         if "weight_g_idx" in t:
             raise CheckpointError(f"{self.path}: {name} carries weight_g_idx (activation ordering); kiln reads "
                                   "compressed-tensors pack-quantized without it")
@@ -192,7 +238,7 @@ class Layout:
 
 
 def dequantize_checkpoint(path: Path, cfg: dict[str, Any], qcfg: dict[str, Any], out: Path) -> tuple[Codebook, dict]:
-    """Read a GPTQ or compressed-tensors checkpoint into an FP32 checkpoint directory at ``out`` (config without
+    """Read a GPTQ, AWQ or compressed-tensors checkpoint into an FP32 checkpoint directory at ``out`` (config without
     ``quantization_config``, weights the codes dequantize to, tokenizer files copied) and the codes. The whole
     checkpoint passes through memory: large ones are streamed instead (``DequantizedWeights``)."""
     import shutil
@@ -217,7 +263,8 @@ def dequantize_checkpoint(path: Path, cfg: dict[str, Any], qcfg: dict[str, Any],
     clean["torch_dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(clean, indent=2))
     for f in path.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "quantize_config.json") \
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "quantize_config.json",
+                                                                           "quant_config.json") \
                 and not f.name.endswith(".index.json"):
             shutil.copy2(f, out / f.name)
     return book, dict(layout.info, layers=len(layers))
@@ -244,7 +291,7 @@ class DequantizedWeights(LazyWeights):
         per = 32 // self.layout.bits
         if "qweight" in parts:
             rows, cols = parts["qweight"].shape
-            return cols, rows * per
+            return (cols * per, rows) if self.layout.method == "awq" else (cols, rows * per)  # AWQ packs along N
         if "weight_shape" in parts:
             n, k = (int(v) for v in self.read(parts["weight_shape"], f"{name}.weight_shape").tolist())
             return n, k
