@@ -111,13 +111,15 @@ def test_hand_packed_gptq_reads_to_the_described_weights(tmp_path, checkpoints, 
         assert q is not None and q.zeros is not None and (q.perm is not None) == act_order
 
 
-def test_hand_packed_gptq_compiles_with_its_own_codes(tmp_path, checkpoints):
-    path, expected = hand_packed_gptq(tmp_path, checkpoints, act_order=True)
+@pytest.mark.parametrize("fmt", ["gptq (v1)", "awq (gemm)"])
+def test_hand_packed_checkpoint_compiles_with_its_own_codes(tmp_path, checkpoints, fmt):
+    path, _ = (hand_packed_gptq(tmp_path, checkpoints, act_order=True) if fmt.startswith("gptq")
+               else hand_packed_awq(tmp_path, checkpoints))
     out = compile(path, tmp_path / "art", fast_options())
     m = json.loads((out / "manifest.json").read_text())
     q = next(p for p in m["passes"] if p["name"] == "quantize-nbits")
-    assert m["precision"] == "int4" and m["model"]["source"]["format"] == "gptq (v1)"
-    assert q["int4"]["method"] == "imported gptq (v1)" and q["stats"]["given"] == 2 * 5  # QKV packed per layer
+    assert m["precision"] == "int4" and m["model"]["source"]["format"] == fmt
+    assert q["int4"]["method"] == f"imported {fmt}" and q["stats"]["given"] == 2 * 5  # QKV packed per layer
     assert m["verification"]["status"] == "passed"
 
 
@@ -263,16 +265,6 @@ def test_hand_packed_awq_reads_to_the_described_weights(tmp_path, checkpoints, o
     for name, w in expected.items():
         np.testing.assert_allclose(streamed.weights.numpy(f"{name}.weight"), w, rtol=0, atol=1e-6)
         assert streamed.codebook.find(np.ascontiguousarray(w.T)) is not None
-
-
-def test_hand_packed_awq_compiles_with_its_own_codes(tmp_path, checkpoints):
-    path, expected = hand_packed_awq(tmp_path, checkpoints)
-    out = compile(path, tmp_path / "art", fast_options())
-    m = json.loads((out / "manifest.json").read_text())
-    q = next(p for p in m["passes"] if p["name"] == "quantize-nbits")
-    assert m["precision"] == "int4" and m["model"]["source"]["format"] == "awq (gemm)"
-    assert q["int4"]["method"] == "imported awq (gemm)" and q["stats"]["given"] == 2 * 5  # QKV packed per layer
-    assert m["verification"]["status"] == "passed"
 
 
 def test_awq_pack_order_matters(tmp_path, checkpoints):
