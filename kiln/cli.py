@@ -96,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--smoothquant", type=float, default=d.smoothquant, metavar="ALPHA",
                    help="migrate activation outliers into the weights before int8 (alpha in [0, 1], 0.5 typical)")
     c.add_argument("--quant-method", default=d.quant_method,
-                   help=f"int4: {' or '.join(QUANT_METHODS)} (GPTQ layer by layer on --calibration text, or "
-                        "round-to-nearest)")
+                   help=f"int4: {' or '.join(QUANT_METHODS)} (GPTQ layer by layer on --calibration text, "
+                        "round-to-nearest, AWQ's activation-aware scales then round-to-nearest, or AWQ then GPTQ)")
     c.add_argument("--group-size", type=int, default=d.group_size, metavar="G",
                    help="int4: inputs per scale, a power of two >= 16 (default 32; 0: one group per row)")
     c.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=d.act_order,

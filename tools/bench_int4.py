@@ -1,7 +1,17 @@
 """Decoder INT4 and INT8 on a real model, side by side in one run: SmolLM2-135M-Instruct (real weights,
-``tools/reference_models.py smollm2``), kiln FP32 / INT8 / INT4 against ONNX Runtime's INT4 quantizer.
+``tools/reference_models.py smollm2``), kiln FP32 / INT8 / INT4 against ONNX Runtime's INT4 quantizer and
+llama.cpp (Q8_0, Q4_K_M, Q4_0; ``tools/llama_cpp.py``).
 
-    python tools/bench_int4.py [--work DIR] [--rounds 5] [--threads 2] [--only ppl|speed]
+    python tools/bench_int4.py [--work DIR] [--rounds 5] [--threads 2] [--only ppl|speed] [--variants NAME ...]
+                               [--permuted] [--no-llama-cpp]
+
+llama.cpp: its tools built from the llama-cpp-python sdist (``python tools/llama_cpp.py build``; skipped with one
+line when they are not built); its GGUFs are ``llama-quantize`` of an F32 GGUF written from SmolLM2's own GGUF,
+the weights kiln's checkpoint holds. Perplexity for the comparison uses llama-perplexity's protocol on the same
+held-out text (``-c 128 --chunks 40``: the second half of each 128-token chunk; kiln artifacts scored the same
+way, column "ppl 2nd half"), each tool against its own F32. Decode: llama-bench tg64 at depth 64, batch 1.
+``--permuted``: every system on a copy of SmolLM2 with its hidden, FFN and head channels permuted (the same
+function, off the Q4_1 grid the published GGUF put the weights on).
 
 Accuracy: held-out perplexity (the last 7% of Python's pydoc topics, 40 windows of 128 tokens; GPTQ calibrates
 on the other 93%). Anchor for accuracy: ``MatMulNBitsQuantizer`` (round-to-nearest, symmetric, block 128) on
@@ -33,6 +43,10 @@ from bench_decoder import Anchor  # noqa: E402
 from bench_encoder import SESSION_CONFIG, cpu_name  # noqa: E402
 from eval_perplexity import perplexity  # noqa: E402
 
+import llama_cpp  # noqa: E402
+
+LLAMA_CPP_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
+
 VARIANTS = {
     "fp32": [],
     "int8": ["--precision", "int8"],
@@ -48,7 +62,9 @@ VARIANTS = {
 
 
 def size_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+    """MiB of a file, or of every file of an artifact directory."""
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return sum(f.stat().st_size for f in files) / 2**20
 
 
 def compile_variant(ckpt: Path, out: Path, flags: list[str], threads: int) -> float:
@@ -102,6 +118,9 @@ def main() -> int:
     p.add_argument("--windows", type=int, default=40)
     p.add_argument("--only", choices=("ppl", "speed"))
     p.add_argument("--anchor-python", default=str(ROOT / ".venv-anchor" / "bin" / "python"))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="kiln variants (default: all)")
+    p.add_argument("--permuted", action="store_true", help="SmolLM2 with permuted channels (off the GGUF's grid)")
+    p.add_argument("--no-llama-cpp", action="store_true")
     args = p.parse_args()
 
     import reference_models
@@ -109,12 +128,26 @@ def main() -> int:
     import kiln.runtimes as kr
 
     ckpt = reference_models.smollm2()
-    work = Path(args.work)
+    work = Path(args.work) / ("permuted" if args.permuted else "")
     work.mkdir(parents=True, exist_ok=True)
+    f32_gguf = llama_cpp.write_f32(ckpt / "model.gguf", work / "smollm2-f32.gguf", 1 if args.permuted else None)
+    if args.permuted:
+        ckpt = permuted_checkpoint(ckpt, f32_gguf, work / "checkpoint")
+    names = ["fp32"] + [n for n in (args.variants or VARIANTS) if n != "fp32"]
     arts = {}
-    for name, flags in VARIANTS.items():
+    for name in names:
         arts[name] = work / name.replace(" ", "-").replace("(", "").replace(")", "")
-        compile_variant(ckpt, arts[name], flags, args.threads)
+        compile_variant(ckpt, arts[name], VARIANTS[name], args.threads)
+    gguf_files = {}
+    if args.no_llama_cpp:
+        pass
+    elif llama_cpp.binaries() is None:
+        print(f"llama.cpp skipped: not built in {llama_cpp.home()} (python tools/llama_cpp.py build)", file=sys.stderr)
+    else:
+        for kind in LLAMA_CPP_TYPES:
+            gguf_files[f"llama.cpp {kind}"] = (f32_gguf if kind == "F32" else
+                                               llama_cpp.quantize(f32_gguf, work / f"smollm2-{kind}.gguf", kind,
+                                                                  args.threads))
     anchor_name = "ORT RTN g128 (anchor)"
     arts[anchor_name] = anchor_rtn(arts["fp32"], work / "ort-rtn-g128", 128)
     manifests = {n: json.loads((a / "manifest.json").read_text()) for n, a in arts.items()}
@@ -124,12 +157,14 @@ def main() -> int:
     if args.only != "speed":
         text = (ckpt / "heldout.txt").read_text()
         base = None
-        print(f"\n{'artifact':<28} {'perplexity':>10} {'vs FP32':>8} {'size MB':>8} {'vs FP32':>8}  quantization")
+        print(f"\n{'artifact':<28} {'perplexity':>10} {'vs FP32':>8} {'ppl 2nd half':>12} {'vs FP32':>8} "
+              f"{'size MiB':>8} {'vs FP32':>8}  quantization")
         for name, art in arts.items():
             model = kr.load(art, threads=args.threads, session_config=SESSION_CONFIG)
             ids = model.text_encoder.encode_ids(text)
             ppl, n = perplexity(model, ids, 128, args.windows)
-            base = base or (ppl, size_mb(arts["fp32"]))
+            half, _ = llama_cpp.perplexity_second_half(model, ids, 128, args.windows)
+            base = base or (ppl, size_mb(arts["fp32"]), half)
             q = next((x for x in manifests[name]["passes"] if x["name"] == "quantize-nbits"), None)
             info = ""
             if q and "int4" in q:
@@ -139,22 +174,44 @@ def main() -> int:
                 info = (f"{i4['method']} group {i4['group_size']}, head {i4['lm_head']}, embedding {i4['embedding']}"
                         + (f", {g['windows']} windows in {g['seconds']:.0f}s" if g else "")
                         + (f", {len(b['promoted_int8'])} INT8 + {len(b['kept_fp32'])} FP32 of {b['weights']}" if b else ""))
-            print(f"{name:<28} {ppl:>10.3f} {100 * (ppl / base[0] - 1):>+7.1f}% {size_mb(art):>8.0f} "
-                  f"{size_mb(art) / base[1]:>7.2f}x  {info}")
+            print(f"{name:<28} {ppl:>10.3f} {100 * (ppl / base[0] - 1):>+7.1f}% {half:>12.3f} "
+                  f"{100 * (half / base[2] - 1):>+7.1f}% {size_mb(art):>8.1f} {size_mb(art) / base[1]:>7.2f}x  {info}")
             del model
-        print(f"({n} held-out tokens)")
+        f32 = None
+        for name, f in gguf_files.items():
+            ppl = llama_cpp.perplexity(f, ckpt / "heldout.txt", 128, args.windows, args.threads)
+            f32 = f32 or (ppl, size_mb(f))
+            print(f"{name:<28} {'-':>10} {'-':>8} {ppl:>12.3f} {100 * (ppl / f32[0] - 1):>+7.1f}% {size_mb(f):>8.1f} "
+                  f"{size_mb(f) / f32[1]:>7.2f}x  llama-quantize of the F32 GGUF")
+        print(f"({n} held-out tokens for the full-window perplexity; llama.cpp rows against llama.cpp F32)")
 
     if args.only != "ppl":
-        speed(args, arts, ckpt, work)
+        speed(args, arts, ckpt, work, gguf_files)
     return 0
 
 
-def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Path) -> None:
+def permuted_checkpoint(src: Path, f32_gguf: Path, out: Path) -> Path:
+    """kiln's checkpoint directory for the permuted F32 GGUF (the same conversion as the reference's), with the
+    reference's held-out and calibration text."""
+    if (out / "heldout.txt").is_file():
+        return out
+    from kiln.compiler import gguf
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    gguf.convert(f32_gguf, tmp)
+    for f in ("calibration.txt", "heldout.txt"):
+        shutil.copy2(src / f, tmp / f)
+    tmp.replace(out)
+    return out
+
+
+def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Path, gguf_files: dict[str, Path]) -> None:
     import kiln.runtimes as kr
 
     prompt, new = 64, 64
     systems = {}
-    for name in ("fp32", "int8", "int4 (default)", "int4 lm-head int4", "int4 max-drop ppl=5"):
+    for name in [n for n in ("fp32", "int8", "int4 (default)", "int4 lm-head int4", "int4 max-drop ppl=5") if n in arts]:
         model = kr.load(arts[name], threads=args.threads, session_config=SESSION_CONFIG)
 
         def run(ids, mask, n, model=model):
@@ -191,6 +248,13 @@ def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Pat
         print(f"{name:<28} {v:>7.1f} {v / med['kiln fp32']:>12.2f}x {vs}")
     if anchor:
         anchor.close()
+    if gguf_files:
+        print(f"\nllama.cpp, llama-bench tg{new} at depth {prompt}, batch 1, {args.rounds} repetitions (same machine, "
+              "after the table above)")
+        for name, f in gguf_files.items():
+            tps = llama_cpp.decode_tps(f, args.threads, new, prompt, args.rounds)
+            print(f"{name:<28} {tps:>7.1f} {tps / med['kiln fp32']:>12.2f}x kiln fp32; kiln int4 (default) "
+                  f"{med.get('kiln int4 (default)', float('nan')) / tps:.2f}x this")
 
 
 if __name__ == "__main__":

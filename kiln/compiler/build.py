@@ -146,6 +146,9 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
             ckpt = prune_checkpoint(ckpt, options, say)
     if options.precision == "int4":
         int8.check_group_size(ckpt, options)
+        if options.quant_method in int8.AWQ_METHODS and ckpt.kind == "seq2seq":
+            raise UsageError(f"--quant-method {options.quant_method}: {ckpt.path} is an encoder-decoder; kiln's AWQ "
+                             "scales encoder-only and decoder-only models (use gptq or rtn)")
     if ckpt.tokenizer_problem:
         say(f"warning: {ckpt.path}: {ckpt.tokenizer_problem}; the artifact ships no tokenizer and is verified on "
             "random token ids only")
@@ -310,7 +313,7 @@ def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, op
     """Run the recipe's stages in order; calibrated stages are built by the INT8 driver from measurements
     of the graph they receive (the driver is appended to ``drivers`` when given)."""
     record: list[dict[str, Any]] = []
-    driver: int8.Driver | None = None
+    driver: int8.Driver | None = drivers[0] if drivers else None  # AWQ's, when it ran before the trace
     for name in names:
         if name in options.disabled_passes:
             record.append({"name": name, "disabled": True, "stats": {}})
@@ -373,6 +376,10 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
     if ckpt.kind == "seq2seq":
         data = _build_seq2seq(ckpt, facts, names, root, options, say)
     else:
+        if options.precision == "int4" and options.quant_method in int8.AWQ_METHODS and ckpt.codebook is None:
+            driver = int8.Driver(ckpt, facts, options, say)  # scales the eager model before it is traced
+            drivers.append(driver)
+            driver.awq()
         say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
         if ckpt.streamed:
             trace_stream.export(ckpt, root / GRAPH, options.opset, say)

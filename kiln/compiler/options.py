@@ -13,7 +13,7 @@ REDUCED_FLOAT = {"fp16": "float16", "bf16": "bfloat16"}
 with calibrated ranges in QDQ form (``static``; always on the tensorrt target, symmetric there).
 int4: weight-only 4-bit codes in groups along the input dimension (GPTQ or round-to-nearest), MatMulNBits on
 the cpu target, blocked INT4 DequantizeLinear on tensorrt."""
-QUANT_METHODS = ("gptq", "rtn")
+QUANT_METHODS = ("gptq", "rtn", "awq", "awq+gptq")
 LM_HEADS = ("fp32", "int8", "int4")
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 TARGETS = ("cpu", "tensorrt")
@@ -57,7 +57,8 @@ class CompileOptions:
     smoothquant: float | None = None
     """SmoothQuant alpha in [0, 1] (0.5 typical): move activation outliers into the weights before INT8."""
     quant_method: str = "gptq"
-    """int4: gptq (layer by layer on calibration text) or rtn (round-to-nearest, no data)."""
+    """int4: gptq (layer by layer on calibration text), rtn (round-to-nearest, no data), awq (activation-aware
+    scales on calibration text, then round-to-nearest) or awq+gptq (AWQ's scales, then GPTQ)."""
     group_size: int = 32
     """int4: inputs per scale, a power of two >= 16; 0: one group per row. 32: SmolLM2-135M held-out perplexity
     +11.6% over FP32 (GPTQ, act-order) against +13.0% at 128, at 0.63 vs 0.53 bytes per weight."""

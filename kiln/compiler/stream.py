@@ -62,6 +62,8 @@ def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
            "are)"
            if options.precision not in STREAMED_PRECISIONS or options.static or options.smoothquant is not None else
            "--prune needs the whole model in memory" if options.prune else
+           f"--quant-method {options.quant_method} scales the whole model in memory"
+           if options.precision == "int4" and options.quant_method.startswith("awq") else
            "--max-drop searches with the whole model in memory" if options.max_drop else
            "--target tensorrt is not streamed yet" if options.target != "cpu" else None)
     if options.stream is None:

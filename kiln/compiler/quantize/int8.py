@@ -24,6 +24,7 @@ from kiln.compiler.layerwise import LayerStream
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions, int4_defaults
 from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
+from kiln.compiler.quantize import awq
 from kiln.compiler.quantize import budget as budget_lib
 from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.calibrate import GraphRunner, text_batches
@@ -41,11 +42,15 @@ DECODER_TEXTS = 96
 """Decoders keep every calibration batch's FP32 logits in memory for the budget: cap the texts."""
 
 Progress = Callable[[str], None]
+SOLVED_METHODS = ("gptq", "awq+gptq")
+"""INT4 methods whose codes come from GPTQ's solver (the others: the pass's round-to-nearest)."""
+AWQ_METHODS = ("awq", "awq+gptq")
+"""INT4 methods that scale the eager model with AWQ before it is traced (``Driver.awq``)."""
 
 
 def needs_data(options: CompileOptions) -> bool:
     """Whether this compile cannot go without calibration text (the dynamic INT8 quantizer and INT4 RTN can)."""
-    if options.precision == "int4" and options.quant_method == "gptq":
+    if options.precision == "int4" and options.quant_method in SOLVED_METHODS + AWQ_METHODS:
         return True
     return precision_mode(options) == "int8-static" or bool(
         options.smoothquant is not None or options.max_drop or options.calibration)
@@ -65,6 +70,7 @@ class Driver:
         self._stats: tuple[onnx.ModelProto, Statistics] | None = None
         self._codebook: Codebook | None = None
         self.gptq_info: dict[str, Any] = {}
+        self.awq_info: dict[str, Any] = {}
         self._fake: Any = None
         self.kept_columns: set[str] = set()
         self.promoted_columns: set[str] = set()
@@ -190,7 +196,7 @@ class Driver:
         if self.options.precision == "int4":
             if self.ckpt.codebook is not None:
                 data.given = self.ckpt.codebook
-            elif self.options.quant_method == "gptq":
+            elif self.options.quant_method in SOLVED_METHODS:
                 data.given = self._gptq()
         if not stage.quantizer or name == "quantize-qdq":
             stats = self.statistics(model)
@@ -237,10 +243,10 @@ class Driver:
                     "lm_head": stats.get("head"), "embedding": stats.get("embedding") or "fp32",
                     "accuracy_level": o.accuracy_level, "gptq": None, "layers_imported": i["layers"]}
         return {"method": o.quant_method, "bits": 4, "group_size": o.group_size or "per-row",
-                "act_order": o.act_order and o.quant_method == "gptq",
+                "act_order": o.act_order and o.quant_method in SOLVED_METHODS,
                 "symmetric": not o.asym, "grid": stats.get("grid"), "lm_head": stats.get("head"),
                 "embedding": stats.get("embedding") or "fp32", "accuracy_level": o.accuracy_level,
-                "gptq": self.gptq_info or None}
+                "gptq": self.gptq_info or None, **({"awq": self.awq_info} if self.awq_info else {})}
 
     def fake_quantized(self) -> Any:
         """The eager model with every weight the INT4 artifact quantizes replaced by what its codes dequantize to
@@ -385,6 +391,32 @@ class Driver:
             feeds.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         return feeds, len(feeds)
 
+    def _solver_windows(self) -> tuple[list[dict], int, int, str]:
+        """The calibration split as the solvers' model inputs: (batches, count, window, what they are)."""
+        o = self.options
+        window = min(o.gptq_window, self.ckpt.max_length)
+        texts = corpus.split(corpus.read_texts(o.calibration))[0]
+        if self.facts.kind == "encoder":
+            batches, n = self._encoder_feeds(texts, window)
+        else:
+            batches, n = self._decoder_windows(texts, window)
+        return batches, n, window, f"{n} texts" if self.facts.kind == "encoder" else f"{n} windows of {window} tokens"
+
+    def _settings(self) -> gptq.Settings:
+        o = self.options
+        return gptq.Settings(bits=4, group_size=o.group_size, grid="asym" if o.asym else
+                             "positive" if o.target == "tensorrt" else "signed", act_order=o.act_order)
+
+    def awq(self) -> None:
+        """AWQ's scales on the eager model before it is traced (``kiln.compiler.quantize.awq``): the model is
+        modified in place and keeps computing the same function; the rounding comes later (the pass, or GPTQ)."""
+        batches, n, _, what = self._solver_windows()
+        settings = self._settings()
+        self.say(f"awq: {what}, group {settings.group_size or 'per-row'}, {settings.grid} grid")
+        summary = awq.scale_model(self.ckpt.model, batches, self.facts.num_layers, settings, self.say)
+        self.awq_info = {"windows": n, "source": self.options.calibration or "(default Python docs sentences)",
+                         "exponents": awq.GRID, "tokens_per_group": awq.TOKENS, **summary}
+
     def _gptq(self) -> Codebook:
         """GPTQ on a copy of the eager model (the original stays FP32 for verification), on windows of the
         calibration text; cached for the compile (one codebook per model)."""
@@ -393,15 +425,8 @@ class Driver:
         import copy
 
         o = self.options
-        window = min(o.gptq_window, self.ckpt.max_length)
-        texts = corpus.split(corpus.read_texts(o.calibration))[0]
-        if self.facts.kind == "encoder":
-            batches, n = self._encoder_feeds(texts, window)
-        else:
-            batches, n = self._decoder_windows(texts, window)
-        settings = gptq.Settings(bits=4, group_size=o.group_size, grid="asym" if o.asym else
-                                 "positive" if o.target == "tensorrt" else "signed", act_order=o.act_order)
-        what = f"{n} texts" if self.facts.kind == "encoder" else f"{n} windows of {window} tokens"
+        batches, n, window, what = self._solver_windows()
+        settings = self._settings()
         head = build_pass("quantize-nbits", self.facts, o).head_bits == settings.bits  # --lm-head int4: solved too
         t0 = time.perf_counter()
         compute = None
