@@ -56,6 +56,10 @@ VARIANTS = {
     "int4 gptq g128 head fp32": ["--precision", "int4", "--group-size", "128", "--lm-head", "fp32",
                                  "--calibration", "{cal}"],
     "int4 (default)": ["--precision", "int4", "--calibration", "{cal}"],
+    "int4 awq": ["--precision", "int4", "--quant-method", "awq", "--calibration", "{cal}"],
+    "int4 awq+gptq": ["--precision", "int4", "--quant-method", "awq+gptq", "--calibration", "{cal}"],
+    "int4 awq+gptq g128 head fp32": ["--precision", "int4", "--quant-method", "awq+gptq", "--group-size", "128",
+                                     "--lm-head", "fp32", "--calibration", "{cal}"],
     "int4 lm-head int4": ["--precision", "int4", "--lm-head", "int4", "--calibration", "{cal}"],
     "int4 max-drop ppl=5": ["--precision", "int4", "--max-drop", "ppl=5", "--calibration", "{cal}"],
 }
@@ -211,7 +215,8 @@ def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Pat
 
     prompt, new = 64, 64
     systems = {}
-    for name in [n for n in ("fp32", "int8", "int4 (default)", "int4 lm-head int4", "int4 max-drop ppl=5") if n in arts]:
+    for name in [n for n in ("fp32", "int8", "int4 (default)", "int4 awq+gptq", "int4 lm-head int4", "int4 max-drop ppl=5")
+                 if n in arts]:
         model = kr.load(arts[name], threads=args.threads, session_config=SESSION_CONFIG)
 
         def run(ids, mask, n, model=model):
