@@ -208,7 +208,7 @@ def test_encoder_int4_rtn(checkpoints, tmp_path):
     (["--group-size", "48"], "power of two"),
     (["--group-size", "8"], "power of two"),
     (["--group-size", "256"], "larger than the smallest layer input"),
-    (["--quant-method", "awq"], "unknown"),
+    (["--quant-method", "hqq"], "unknown"),
     (["--lm-head", "fp16"], "unknown"),
     (["--asym", "--target", "tensorrt"], "symmetric INT4 only"),
 ])
