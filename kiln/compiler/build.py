@@ -27,6 +27,7 @@ from kiln.compiler import trace, trace_seq2seq, trace_stream
 from kiln.compiler.artifact import check_output, staging
 from kiln.compiler.load import Checkpoint, load_checkpoint
 from kiln.compiler.options import (
+    AWQ_METHODS,
     CALIBRATION_METHODS,
     LM_HEADS,
     PRECISIONS,
@@ -146,7 +147,7 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
             ckpt = prune_checkpoint(ckpt, options, say)
     if options.precision == "int4":
         int8.check_group_size(ckpt, options)
-        if options.quant_method in int8.AWQ_METHODS and ckpt.kind == "seq2seq":
+        if options.quant_method in AWQ_METHODS and ckpt.kind == "seq2seq":
             raise UsageError(f"--quant-method {options.quant_method}: {ckpt.path} is an encoder-decoder; kiln's AWQ "
                              "scales encoder-only and decoder-only models (use gptq or rtn)")
     if ckpt.tokenizer_problem:
@@ -376,7 +377,7 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
     if ckpt.kind == "seq2seq":
         data = _build_seq2seq(ckpt, facts, names, root, options, say)
     else:
-        if options.precision == "int4" and options.quant_method in int8.AWQ_METHODS and ckpt.codebook is None:
+        if options.precision == "int4" and options.quant_method in AWQ_METHODS and ckpt.codebook is None:
             driver = int8.Driver(ckpt, facts, options, say)  # scales the eager model before it is traced
             drivers.append(driver)
             driver.awq()

@@ -14,6 +14,10 @@ with calibrated ranges in QDQ form (``static``; always on the tensorrt target, s
 int4: weight-only 4-bit codes in groups along the input dimension (GPTQ or round-to-nearest), MatMulNBits on
 the cpu target, blocked INT4 DequantizeLinear on tensorrt."""
 QUANT_METHODS = ("gptq", "rtn", "awq", "awq+gptq")
+SOLVED_METHODS = ("gptq", "awq+gptq")
+"""INT4 methods whose codes come from GPTQ's solver (the others: the pass's round-to-nearest)."""
+AWQ_METHODS = ("awq", "awq+gptq")
+"""INT4 methods that scale the eager model with AWQ before it is traced (``Driver.awq``)."""
 LM_HEADS = ("fp32", "int8", "int4")
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 TARGETS = ("cpu", "tensorrt")

@@ -21,7 +21,7 @@ import kiln.runtimes as kr
 from kiln.compiler import gguf, lazy, trace
 from kiln.compiler.experts import config_experts
 from kiln.compiler.load import Checkpoint, check_weights, model_kind, read_config
-from kiln.compiler.options import STREAM_ABOVE, CompileOptions
+from kiln.compiler.options import AWQ_METHODS, STREAM_ABOVE, CompileOptions
 from kiln.compiler.quantize import gptq_format
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import GENERATION_STEPS
@@ -63,7 +63,7 @@ def streams(path: Path, options: CompileOptions, say: Progress) -> bool:
            if options.precision not in STREAMED_PRECISIONS or options.static or options.smoothquant is not None else
            "--prune needs the whole model in memory" if options.prune else
            f"--quant-method {options.quant_method} scales the whole model in memory"
-           if options.precision == "int4" and options.quant_method.startswith("awq") else
+           if options.precision == "int4" and options.quant_method in AWQ_METHODS else
            "--max-drop searches with the whole model in memory" if options.max_drop else
            "--target tensorrt is not streamed yet" if options.target != "cpu" else None)
     if options.stream is None:

@@ -77,7 +77,7 @@ def test_a_fold_that_changes_the_block_is_undone(checkpoints, monkeypatch):
     model = load_checkpoint(checkpoints["llama"]).model
     feeds = windows(model.config.vocab_size)
     before = logits(model, feeds)
-    monkeypatch.setattr(awq, "_fold_target", lambda block, linears, stage, producers: ("input_layernorm", "norm")
+    monkeypatch.setattr(awq, "_fold_target", lambda modules, linears, stage, producers: ("input_layernorm", "norm")
                         if gptq.in_features(linears[stage[0]]) == model.config.hidden_size else None)
     summary = awq.scale_model(model, feeds, model.config.num_hidden_layers, SETTINGS, lambda m: None)
     refused = [w for w, why in summary["unscaled"].items() if "changed the block output" in why]

@@ -98,15 +98,8 @@ def scale_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: int, 
     """Scale every group of Linears inside the Transformer blocks of ``model`` in place (the function unchanged);
     returns what was done: groups scaled, their exponents, groups left unscaled and why, seconds."""
     blocks = gptq.transformer_blocks(model, num_layers)
-    captured: list[tuple[tuple, dict]] = []
-
-    def grab(module: Any, args: tuple, kwargs: dict) -> None:
-        captured.append((args, kwargs))
-        raise gptq._Stop
-
     t0 = time.perf_counter()
-    gptq._run_until(model, windows, blocks[0], grab, with_kwargs=True)
-    states = [(a[0] if a else kw.pop("hidden_states"), a[1:], kw) for a, kw in captured]
+    states = gptq.block_inputs(model, windows, blocks[0])
     summary: dict[str, Any] = {"groups": 0, "scaled": 0, "alphas": [], "unscaled": {}, "error_ratio": []}
     for index, block in enumerate(blocks):
         scale_block(block, states, settings, summary, prefix=f"{index}.", skip=lambda n, i=index: skip(f"{i}.{n}"))
@@ -129,11 +122,12 @@ def scale_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: gpt
     with torch.no_grad():
         stages = gptq._stages(block, linears, hidden[0], rest[0])
         inputs, producers = _observe(block, linears, stages, hidden, rest)
-        reference = _first(block(hidden[0], *rest[0][0], **rest[0][1]))
+        modules = dict(block.named_modules())
+        reference = gptq._first(block(hidden[0], *rest[0][0], **rest[0][1]))
         for stage in stages:
             summary["groups"] += 1
             where = prefix + "/".join(stage)
-            fold = _fold_target(block, linears, stage, producers)
+            fold = _fold_target(modules, linears, stage, producers)
             if fold is None:
                 summary["unscaled"][where] = "no norm or Linear produces its input"
                 continue
@@ -143,8 +137,8 @@ def scale_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: gpt
             if a < 0:
                 summary["unscaled"][where] = "no exponent beat the unscaled weights"
                 continue
-            undo = _apply(dict(block.named_modules()), stage, fold, s)
-            out = _first(block(hidden[0], *rest[0][0], **rest[0][1]))
+            undo = _apply(modules, stage, fold, s)
+            out = gptq._first(block(hidden[0], *rest[0][0], **rest[0][1]))
             change = float((out - reference).abs().max() / reference.abs().max().clamp(min=1e-12))
             if change > EQUIVALENCE:
                 undo()
@@ -154,7 +148,7 @@ def scale_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: gpt
             summary["alphas"].append(round(a, 2))
             summary["error_ratio"].append(round(err / max(base, 1e-30), 4))
         for j, (h, (a, kw)) in enumerate(zip(hidden, rest)):
-            states[j] = (_first(block(h, *a, **kw)), a, kw)
+            states[j] = (gptq._first(block(h, *a, **kw)), a, kw)
 
 
 def _weight_nk(m: Any) -> Any:
@@ -165,7 +159,7 @@ def _weight_nk(m: Any) -> Any:
 
 
 def _observe(block: Any, linears: dict[str, Any], stages: list[list[str]], hidden: list[Any],
-             rest: list[tuple[tuple, dict]]) -> tuple[dict[str, tuple[Any, Any]], dict[int, str]]:
+             rest: list[tuple[tuple, dict]]) -> tuple[dict[str, tuple[Any, Any]], dict[str, str | None]]:
     """Per stage (by its first Linear): (up to TOKENS input rows, mean |x| over every token), and which module
     produced each stage's input on the first window (by the identity of its output tensor)."""
     import torch
@@ -205,7 +199,7 @@ def _observe(block: Any, linears: dict[str, Any], stages: list[list[str]], hidde
     hooks += [m.register_forward_hook(record(n)) for n, m in block.named_modules() if n]
     hooks += [linears[n].register_forward_pre_hook(grab_input(n)) for n in firsts]
     try:
-        for j, (h, (a, kw)) in enumerate(zip(hidden, rest)):
+        for h, (a, kw) in zip(hidden, rest):
             block(h, *a, **kw)
             first_pass[0] = False
     finally:
@@ -219,15 +213,14 @@ def _observe(block: Any, linears: dict[str, Any], stages: list[list[str]], hidde
     return inputs, producers
 
 
-def _fold_target(block: Any, linears: dict[str, Any], stage: list[str], producers: dict[str, str | None]
-                 ) -> tuple[str, str] | None:
+def _fold_target(modules: dict[str, Any], linears: dict[str, Any], stage: list[str],
+                 producers: dict[str, str | None]) -> tuple[str, str] | None:
     """Where the divisor goes: (module name, "norm" | "rows"), or None. The input's producer when it is a norm
     (a 1-D weight of the input's size) or a Linear with that many outputs; else an ``up`` Linear of the same
     block with that many outputs when the stage is a ``down`` projection (``act(gate) * up`` feeds it)."""
     import torch
 
     k = gptq.in_features(linears[stage[0]])
-    modules = dict(block.named_modules())
     name = producers.get(stage[0])
     if name is not None and name not in stage:
         m = modules[name]
@@ -277,6 +270,3 @@ def _apply(modules: dict[str, Any], stage: list[str], fold: tuple[str, str], s: 
             t.copy_(old)
     return undo
 
-
-def _first(out: Any) -> Any:
-    return out[0] if isinstance(out, (tuple, list)) else out

@@ -271,15 +271,8 @@ def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: in
     given, is filled with the blocks' codes by module name (for writing a GPTQ checkpoint)."""
     blocks = transformer_blocks(model, num_layers)
     prefix = next(name for name, m in model.named_modules() if m is blocks)
-    captured: list[tuple[tuple, dict]] = []
-
-    def grab(module: Any, args: tuple, kwargs: dict) -> None:
-        captured.append((args, kwargs))
-        raise _Stop
-
     t0 = time.perf_counter()
-    _run_until(model, windows, blocks[0], grab, with_kwargs=True)
-    states = [(a[0] if a else kw.pop("hidden_states"), a[1:], kw) for a, kw in captured]
+    states = block_inputs(model, windows, blocks[0])
     result = Codebook()
     for index, block in enumerate(blocks):
         def solved(name: str, original: Any, q: Quantized, index: int = index) -> None:
@@ -293,6 +286,19 @@ def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: in
         _quantize_head(model, windows, settings, result)
         say(f"{settings.method} lm_head: {time.perf_counter() - t0:.0f}s")
     return result
+
+
+def block_inputs(model: Any, windows: Sequence[dict[str, Any]], first: Any) -> list[tuple[Any, tuple, dict]]:
+    """Every window run to the first Transformer block ``first`` and stopped there: its inputs per window
+    (hidden states, other positional arguments, keyword arguments), as ``quantize_block`` takes them."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def grab(module: Any, args: tuple, kwargs: dict) -> None:
+        captured.append((args, kwargs))
+        raise _Stop
+
+    _run_until(model, windows, first, grab, with_kwargs=True)
+    return [(a[0] if a else kw.pop("hidden_states"), a[1:], kw) for a, kw in captured]
 
 
 Solved = Callable[[str, np.ndarray, Quantized], None]

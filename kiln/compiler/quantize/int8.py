@@ -22,7 +22,7 @@ import onnx
 from kiln.compiler import corpus
 from kiln.compiler.layerwise import LayerStream
 from kiln.compiler.load import Checkpoint
-from kiln.compiler.options import CompileOptions, int4_defaults
+from kiln.compiler.options import AWQ_METHODS, SOLVED_METHODS, CompileOptions, int4_defaults
 from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
 from kiln.compiler.quantize import awq
 from kiln.compiler.quantize import budget as budget_lib
@@ -42,10 +42,6 @@ DECODER_TEXTS = 96
 """Decoders keep every calibration batch's FP32 logits in memory for the budget: cap the texts."""
 
 Progress = Callable[[str], None]
-SOLVED_METHODS = ("gptq", "awq+gptq")
-"""INT4 methods whose codes come from GPTQ's solver (the others: the pass's round-to-nearest)."""
-AWQ_METHODS = ("awq", "awq+gptq")
-"""INT4 methods that scale the eager model with AWQ before it is traced (``Driver.awq``)."""
 
 
 def needs_data(options: CompileOptions) -> bool:
