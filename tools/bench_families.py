@@ -5,13 +5,15 @@
 Every family is built here with random weights (fixed seed) at one shape: 8 layers, hidden 512, 8 query / 4 KV
 heads of 64 features, vocab 8192 (GPT-NeoX has no grouped KV heads: 8 / 8). Each MLP keeps its family's form
 (gated or not, packed or not), so parameter counts differ a little; Qwen3-MoE has 8 experts of 688, top 2, so
-its routed MLP FLOPs equal the Llama's 1376 and its weights are 4x the MLP. kiln compiles each at FP32 (fusion
+its routed MLP FLOPs equal the Llama's 1376 and its weights are 4x the MLP ("qwen3_moe-dense": the same model with
+``--disable-pass fuse-moe``, every expert over every token, as kiln compiled MoE before). kiln compiles each at FP32 (fusion
 coverage still checked; parity is the tests' job), then a child process without torch (its OpenMP threads would
 slow ONNX Runtime) times batch-1 greedy decode of every artifact, rotating the order each round: decode tok/s =
 (new - 1) / (full call - prefill-only call), median of the rounds.
 
 Two ratios against the Llama: raw tok/s, and per weight byte (tok/s x the bytes a decode step reads), which
-removes the differences in size: a family on the fused path reads its weights as fast as the Llama does.
+removes the differences in size: a family on the fused path reads its weights as fast as the Llama does. A routed
+decode step reads the router and its k picked experts only (the dense form reads all of them).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              max_position_embeddings=1024)
-FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi", "qwen3_moe", "qwen3_moe-dense"]
 
 
 def config(family: str):
@@ -54,9 +56,9 @@ def config(family: str):
         return T.GPTNeoXConfig(intermediate_size=2048, rotary_pct=0.25, **s)
     if family == "phi":  # rotary over 32 of 64; parallel block; MLP 4x hidden
         return T.PhiConfig(intermediate_size=2048, partial_rotary_factor=0.5, pad_token_id=0, **s)
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_moe-dense"):
         return T.Qwen3MoeConfig(intermediate_size=1376, moe_intermediate_size=688, num_experts=8, num_experts_per_tok=2,
-                                head_dim=64, **s)
+                                norm_topk_prob=True, head_dim=64, **s)  # as Qwen3-30B-A3B
     raise SystemExit(f"unknown family {family}")
 
 
@@ -76,14 +78,21 @@ def build(family: str, work: Path, threads: int) -> dict:
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     params = sum(p.numel() for p in model.parameters())
-    # a decode step reads every matrix but the embedding table (one row); a tied head is read as the head
-    read = 4 * (params - embed.numel() + (head.numel() if head is embed else 0))
+    dense = family.endswith("-dense")
+    cfg = model.config
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    idle = 0 if dense or not experts else experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    # a decode step reads every matrix but the embedding table (one row) and the experts not picked; a tied head is
+    # read as the head
+    read = 4 * (params - embed.numel() + (head.numel() if head is embed else 0) - idle)
     t = time.perf_counter()
-    art = compile(ckpt, work / family, CompileOptions(threads=threads, verify=False))
+    art = compile(ckpt, work / family, CompileOptions(threads=threads, verify=False,
+                                                      disabled_passes=("fuse-moe",) if dense else ()))
     manifest = json.loads((art / "manifest.json").read_text())
     cov = {p["name"]: p.get("coverage") for p in manifest["passes"]}
     return {"family": family, "artifact": str(art), "params": params, "read_bytes": read,
-            "compile_s": time.perf_counter() - t, "fuse_gqa": cov.get("fuse-gqa"), "kv_cache": cov.get("kv-cache")}
+            "compile_s": time.perf_counter() - t, "fuse_gqa": cov.get("fuse-gqa"), "kv_cache": cov.get("kv-cache"),
+            "fuse_moe": cov.get("fuse-moe")}
 
 
 def time_decode(artifacts: dict[str, str], prompt: int, new: int, rounds: int, threads: int) -> dict[str, float]:
@@ -148,14 +157,16 @@ def main() -> int:
           f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
     print(f"shape: 8 layers, hidden 512, 8 / 4 heads of 64, vocab 8192; FP32; batch 1, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rotating rounds")
-    print(f"| family | params | MB read per step | fuse-gqa | kv-cache | decode tok/s | vs llama | per byte vs llama |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
+          "per byte vs llama |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = speed["llama"] * built["llama"]["read_bytes"]
     for f in families:
         b = built[f]
         cov = lambda c: f"{c['fused']}/{c['expected']}" if c else "-"  # noqa: E731
         print(f"| {f} | {b['params'] / 1e6:.1f}M | {b['read_bytes'] / 1e6:.0f} | {cov(b['fuse_gqa'])} | "
-              f"{cov(b['kv_cache'])} | {speed[f]:.1f} | {speed[f] / speed['llama']:.2f}x | "
+              f"{cov(b['kv_cache'])} | {cov(b['fuse_moe']) if b['fuse_moe'] and b['fuse_moe']['expected'] else '-'} | "
+              f"{speed[f]:.1f} | {speed[f] / speed['llama']:.2f}x | "
               f"{speed[f] * b['read_bytes'] / base:.2f}x |")
     return 0
 

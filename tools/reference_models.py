@@ -31,7 +31,7 @@ EOS = "<|endoftext|>"
 
 @dataclass(frozen=True)
 class Recipe:
-    arch: str  # llama | gpt2
+    arch: str  # llama | gpt2 | qwen3_moe (4 experts of width ffn, top 2, per-head q/k norms)
     vocab: int
     hidden: int
     layers: int
@@ -56,6 +56,10 @@ RECIPES = {
     # for tests: trains in well under a minute on 2 cores
     "llama-tiny": Recipe("llama", vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, ffn=172, max_len=256,
                          steps=300, batch=16, seq=64, lr=5e-3, corpus_bytes=1_500_000),
+    # a newer family trained here (the package index has no trained Qwen3 / Gemma 3 / Phi-3 / MoE checkpoint):
+    # Qwen3-MoE's q/k norms and routed experts, llama-tiny's size and corpus
+    "qwen3-moe-tiny": Recipe("qwen3_moe", vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, max_len=256,
+                             steps=300, batch=16, seq=64, lr=5e-3, corpus_bytes=1_500_000),
 }
 
 
@@ -124,6 +128,15 @@ def make_model(r: Recipe, eos_id: int):
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
         )
         return transformers.LlamaForCausalLM(cfg)
+    if r.arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=r.vocab, hidden_size=r.hidden, num_hidden_layers=r.layers, num_attention_heads=r.heads,
+            num_key_value_heads=r.kv_heads, head_dim=r.hidden // r.heads, intermediate_size=2 * r.ffn,
+            moe_intermediate_size=r.ffn, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            max_position_embeddings=r.max_len, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+            bos_token_id=eos_id, eos_token_id=eos_id,
+        )
+        return transformers.Qwen3MoeForCausalLM(cfg)
     cfg = transformers.GPT2Config(
         vocab_size=r.vocab, n_embd=r.hidden, n_layer=r.layers, n_head=r.heads, n_inner=r.ffn, n_positions=r.max_len,
         bos_token_id=eos_id, eos_token_id=eos_id,

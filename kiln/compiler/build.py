@@ -25,6 +25,7 @@ from kiln.compiler import manifest as manifest_lib
 from kiln.compiler import stream as stream_lib
 from kiln.compiler import trace, trace_seq2seq, trace_stream
 from kiln.compiler.artifact import check_output, staging
+from kiln.compiler.experts import routed_experts
 from kiln.compiler.load import Checkpoint, load_checkpoint
 from kiln.compiler.options import (
     AWQ_METHODS,
@@ -296,7 +297,8 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
     head_size = first("head_dim") or int(hidden) // int(heads)
     per_layer = tuple(ckpt.pruning["heads_per_layer"]) if ckpt.pruning else ()
     return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), int(head_size), ckpt.max_length,
-                      sliding_windows(cfg, int(layers)), heads_per_layer=per_layer)
+                      sliding_windows(cfg, int(layers)), heads_per_layer=per_layer,
+                      experts_layers=len(routed_experts(ckpt.model)))
 
 
 def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:

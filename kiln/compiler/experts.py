@@ -12,9 +12,9 @@ other Linear (INT8, INT4, GPTQ) and the router (a MatMul to ``num_experts`` logi
 Each expert is an ``nn.Linear`` pair (``kiln_experts``) whose weights are views of the module's 3-D tensors, so
 GPTQ, the fake-quantized reference and the quantizers' bookkeeping, which all work on Linears, need nothing new.
 
-The cost is compute: ``num_experts / top_k`` times the routed FLOPs in every MoE layer (2x in the test model,
-16x for 128 experts, top 8); ONNX Runtime's ``com.microsoft.MoE`` contrib op, which computes only the picked
-experts, is the way to remove it (README, "What compiles"). Streaming does not take MoE checkpoints yet: the
+Run as exported, that costs ``num_experts / top_k`` times the routed FLOPs in every MoE layer (2x in the test model,
+16x for 128 experts, top 8); the ``fuse-moe`` pass folds each layer back into ONNX Runtime's ``com.microsoft.MoE``
+(``QMoE`` once quantized), which computes only the picked experts (kiln/passes/fuse_moe.py). Streaming does not take MoE checkpoints yet: the
 expert views have no tensor of their own in the checkpoint (``config_experts`` lets ``stream`` say so).
 """
 

@@ -31,6 +31,7 @@ from kiln.passes.decompose_norm import DecomposeNorm
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_mha import FuseMultiHeadAttention
+from kiln.passes.fuse_moe import FuseMixtureOfExperts
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
 from kiln.passes.kv_cache import AddKVCache
 from kiln.passes.kv_cache_concat import AddKVCacheConcat
@@ -60,6 +61,8 @@ class ModelFacts:
     """Attention blocks per layer in this graph (an encoder-decoder's decoder: self + cross)."""
     heads_per_layer: tuple[int, ...] = ()
     """Per layer, in graph order: the query heads it keeps after ``--prune`` (empty: ``num_heads`` everywhere)."""
+    experts_layers: int = 0
+    """Mixture-of-experts layers (routed experts modules) in the model: ``fuse-moe`` must fold every one."""
 
 
 @dataclass
@@ -89,6 +92,8 @@ class Stage:
     """Runs only when the options ask for it (SmoothQuant's alpha, a non-zero outlier ratio)."""
     coverage: str | None = None
     """The stat that counts fusions: checked against one per attention block after the pipeline."""
+    expected: Callable[[ModelFacts], int] = lambda f: f.num_layers * f.attentions_per_layer
+    """How many fusions ``coverage`` must count (default: the attention blocks)."""
 
 
 STAGES: dict[str, Stage] = {
@@ -103,6 +108,8 @@ STAGES: dict[str, Stage] = {
     "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers"),
     "kv-cache-concat": Stage(lambda f, o, d: AddKVCacheConcat(f.num_kv_heads, f.head_size), coverage="layers"),
     "logits-to-keep": Stage(lambda f, o, d: LogitsToKeep()),
+    # every routed-experts layer: the dense export runs E / k times the routed work (kiln/passes/fuse_moe.py)
+    "fuse-moe": Stage(lambda f, o, d: FuseMixtureOfExperts(), coverage="fused", expected=lambda f: f.experts_layers),
     "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(f.num_heads, f.head_size), coverage="fused"),
     "fuse-bias-gelu": Stage(lambda f, o, d: FuseBiasGelu()),
     # RMSNorm: ORT's CPU kernel is fast, so residual RMSNorms become SkipSimplifiedLayerNormalization and the
@@ -174,11 +181,11 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
     # fuse-mha keeps Q/K/V plain MatMuls the QDQ pairs can wrap
     ("cpu", "encoder", "int8-static"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", *INT8,
                                         "quantize-qdq", "eliminate-dead-nodes"),
-    ("cpu", "decoder", "fp32"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+    ("cpu", "decoder", "fp32"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", "logits-to-keep", "eliminate-dead-nodes"),
     # blocked 8-bit kernel (MatMulNBits), tied lm_head included; outliers split: at block 128 SmolLM2's worst row
     # cosine is 0.9849 with, 0.93 without (parity fails), for 146 vs 170 tok/s (README, INT8)
-    ("cpu", "decoder", "int8"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+    ("cpu", "decoder", "int8"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", *INT8, "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
     ("cpu", "decoder", "int8-static"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
                                         "decompose-norm", *INT8, "quantize-qdq", "logits-to-keep", "eliminate-dead-nodes"),
@@ -186,7 +193,7 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
     # weights the solver's codes replace; encoders keep Q/K/V as plain MatMuls (fuse-mha) so they are quantized too
     ("cpu", "encoder", "int4"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", "gemm-to-matmul",
                                  "quantize-nbits", "eliminate-dead-nodes"),
-    ("cpu", "decoder", "int4"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+    ("cpu", "decoder", "int4"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", "gemm-to-matmul", "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
     ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "decompose-norm", "eliminate-dead-nodes"),
     ("tensorrt", "encoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
@@ -250,16 +257,16 @@ def build_pass(name: str, facts: ModelFacts, options: CompileOptions, data: Stag
 def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool, graph: str = "") -> list[str]:
     """Compare fusion counts with the attention blocks the config implies; raise (or, if allowed, return) shortfalls."""
     problems = []
-    expected = facts.num_layers * facts.attentions_per_layer
     for entry in record:
         stage = STAGES.get(entry["name"])
         if stage is None or stage.coverage is None or entry.get("disabled"):
             continue
+        expected = stage.expected(facts)
         got = entry["stats"].get(stage.coverage, 0)
         entry["coverage"] = {"expected": expected, "fused": got}
         if got < expected:
             reasons = "; ".join(f"{r['where']}: {r['why']}" for r in entry.get("skipped", [])[:3]) or \
-                "no attention block matched any rule (the graph has none the rule recognises)"
+                "nothing matched the rule (the graph has no block it recognises)"
             where = f" in {graph}" if graph else ""
             problems.append(f"{entry['name']} fused {got} of {expected} expected{where} ({reasons})")
     if problems and not allow_partial:

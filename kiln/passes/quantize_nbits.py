@@ -26,7 +26,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes.weights import maybe_spill
-from kiln.passes.base import Pass, PassResult, Progress, Reason
+from kiln.passes.base import NoMatch, Pass, PassResult, Progress, Reason
+from kiln.passes.fuse_moe import SWIGLU, deinterleave, interleave
 from kiln.passes.graph import MS_DOMAIN, Graph, attr
 from kiln.passes.quantize_int8 import MIN_INNER, matmul_weight, quantizable_matrix
 
@@ -351,6 +352,15 @@ class QuantizeBlockwise(Pass):
             # only the packed tensors are kept (spilled to disk when a weight store is open), never the FP32 weight
             plans.append((mm, self._prepare(g, mm, q)))
             del w, q
+        moes = []  # (MoE, its QMoE, the QMoE's initializers, counts)
+        for handle in g.nodes_of("MoE", MS_DOMAIN):
+            node = g.node(handle)
+            try:
+                if self.form != "matmulnbits":
+                    raise NoMatch("the DequantizeLinear form has no mixture-of-experts op")
+                moes.append((node, *self._moe(g, node)))
+            except NoMatch as e:
+                skipped.append(Reason(node.name or handle, f"{e}: its experts stay FP32"))
         embeds = []  # (Gather, its GatherBlockQuantized): the table quantized now and dropped, as the weights are
         if self.embedding_bits and self.form == "matmulnbits":
             for node in tables.values():
@@ -366,14 +376,75 @@ class QuantizeBlockwise(Pass):
         for mm, prepared in plans:
             g.replace_nodes([mm], self._lower(g, mm, prepared, stats))
             stats["quantized"] += 1
+        for node, new, tensors, counts in moes:
+            g.g.initializer.extend(tensors)
+            g.replace_nodes([node], [new])
+            for key, n in counts.items():
+                stats[key] = stats.get(key, 0) + n
         for node, new, tensors, kind in embeds:
             g.g.initializer.extend(tensors)
             g.replace_nodes([node], [new])
             stats["embedding"] = kind
-        if plans or embeds:
+        if plans or embeds or moes:
             g.ensure_opset(MS_DOMAIN, 1)
             g.prune()
-        return PassResult(g.model, bool(plans or embeds), stats, skipped)
+        return PassResult(g.model, bool(plans or embeds or moes), stats, skipped)
+
+    def _moe(self, g: Graph, node: onnx.NodeProto) -> tuple[onnx.NodeProto, list[onnx.TensorProto], dict[str, int]]:
+        """A ``MoE`` node (fuse-moe) -> ``QMoE`` over the same inputs: each expert's gate-up and down weights
+        quantized as their MatMuls would have been (the solver's codes found by the FP32 weight, else rounded),
+        rows in the node's layout (gate and up interleaved), one block size for both (the op takes one)."""
+        fc1, fc2 = (g.constant(node.input[i]) if len(node.input) > i and node.input[i] else None for i in (2, 4))
+        if fc1 is None or fc2 is None or fc1.dtype != np.float32 or any(
+                len(node.input) > i and node.input[i] for i in (3, 5, 6, 7)):
+            raise NoMatch("its experts are not constant FP32 weights without biases")
+        if any(attr(node, a) != v for a, v in SWIGLU.items() if a != "activation_type") or \
+                attr(node, "activation_type", b"").decode() != SWIGLU["activation_type"]:
+            raise NoMatch("not the interleaved SwiGLU layout fuse-moe writes")
+        router = g.producer.get(node.input[1])
+        if attr(node, "normalize_routing_weights", 0) != 1 and (router is None or router.op_type != "Log"):
+            # QMoE renormalises the top-k weights whatever the attribute says; over log(R) that changes nothing
+            raise NoMatch("its routing is not renormalised and not log(R): QMoE always renormalises")
+        hidden, inner = int(fc1.shape[2]), int(fc2.shape[2])
+        block = self.block_size  # rounded experts narrower than a block take the widest power of two that fits
+        while block > 16 and (hidden % block or inner % block) and not len(self.given):
+            block //= 2
+        if block == 0 or hidden % block or inner % block:
+            raise NoMatch(f"expert widths {hidden} / {inner} are not whole blocks of {block}")
+        counts = {"quantized": 0, "given": 0, "rounded": 0, "moe": 1}
+        tensors: list[onnx.TensorProto] = []
+        inputs = {}
+        for fc, name, rows_of in ((fc1, "fc1", deinterleave), (fc2, "fc2", lambda r: r)):
+            codes, scales, zeros = [], [], []
+            for e in range(fc.shape[0]):
+                w = np.ascontiguousarray(rows_of(fc[e]).T)  # (K, N) as the expert's MatMul held it
+                q = self.given.find(w)
+                counts["given" if q is not None else "rounded"] += 1
+                q = q if q is not None else rtn(w, self.bits, block, self.grid)
+                if q.perm is not None or q.block_size != block or q.bits != self.bits or q.k % block:
+                    raise NoMatch(f"expert {e}'s codes ({q.bits} bits, block {q.block_size}, act-order "
+                                  f"{q.perm is not None}) are not {self.bits}-bit blocks of {block} in input order")
+                order = (lambda a: interleave(*np.split(a, 2))) if name == "fc1" else (lambda a: a)
+                codes.append(order(pack(q.codes, q.bits).reshape(q.codes.shape[0], -1)))
+                scales.append(order(q.scales))
+                zeros.append(None if q.zeros is None else pack_zeros(order(q.zeros), q.bits))
+                counts["quantized"] += 1
+            if len({z is None for z in zeros}) != 1:
+                raise NoMatch(f"its {name} experts mix symmetric and asymmetric codes")
+            base = f"{node.name or node.output[0]}_{name}"
+            for role, arrays in (("q", codes), ("scales", scales), ("zero_points", zeros)):
+                if arrays[0] is not None:
+                    tensors.append(maybe_spill(numpy_helper.from_array(np.stack(arrays), g.fresh(f"{base}_{role}"))))
+                    inputs[f"{name}_{role}"] = tensors[-1].name
+        names = [node.input[0], node.input[1], inputs["fc1_q"], inputs["fc1_scales"], "", inputs["fc2_q"],
+                 inputs["fc2_scales"], "", "", "", "", inputs.get("fc1_zero_points", ""), inputs.get("fc2_zero_points", "")]
+        while names[-1] == "":
+            names.pop()
+        keep = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        new = helper.make_node("QMoE", names, list(node.output), name=node.name or g.fresh("QMoE"), domain=MS_DOMAIN,
+                               **keep, expert_weight_bits=self.bits, block_size=block,
+                               accuracy_level=self.accuracy_level)
+        return new, tensors, counts
 
     def _tables(self, g: Graph) -> dict[str, onnx.NodeProto]:
         """Token-embedding Gathers: a constant 2-D FP32 table read at a graph input's indices along axis 0."""

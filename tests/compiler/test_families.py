@@ -28,6 +28,8 @@ def test_new_family_compiles_with_full_coverage(tmp_path, family, head, rule):
     assert passes[rule]["coverage"] == {"expected": 2, "fused": 2}
     if head == "causal-lm":  # a KV cache for every layer, and greedy tokens identical to Hugging Face generate
         assert passes["kv-cache"]["coverage"] == {"expected": 2, "fused": 2}
+        moe = 2 if family == "qwen3_moe" else 0  # every routed-experts layer one MoE node (kiln/passes/fuse_moe.py)
+        assert passes["fuse-moe"]["coverage"] == {"expected": moe, "fused": moe}
         gen = manifest["verification"]["generation"]
         assert gen["tokens_identical"] and gen["steps"] == 16 and gen["max_abs_over_atol"] <= 1
     else:
@@ -53,6 +55,7 @@ def test_new_decoder_families_quantize(tmp_path, family, precision):
     assert passes["logits-to-keep"]["stats"]["sliced"] == 1
     if family == "qwen3_moe":  # 2 layers x (4 attention + 4 experts x 2) Linears, all solved by GPTQ at INT4
         assert q["quantized"] == 2 * 12 + 1
+        assert passes["fuse-moe"]["coverage"] == {"expected": 2, "fused": 2} and q["moe"] == 2  # both layers QMoE
         if precision == "int4":
             assert manifest["verification"]["quantization"]["int4"]["from_solver"] == 24
 

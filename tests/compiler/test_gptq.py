@@ -146,6 +146,18 @@ def test_per_row_group_pads_to_a_power_of_two_with_the_zero_point():
     np.testing.assert_array_equal(q.dequantize().T, deq.numpy())
 
 
+@pytest.mark.parametrize("group", [0, 32])
+def test_per_row_act_order_codes_come_back_in_input_order(group):
+    """One group per row (group 0, or a group as wide as the row): its scale does not depend on the solve order, so
+    act-order's codes are returned in input order with no permutation (no Gather; QMoE, which takes none, can use
+    them) and are still exactly what the solver dequantized."""
+    torch.manual_seed(6)
+    w = torch.randn(8, 32)
+    q, deq = solve(w, hessian(correlated_inputs(300, 32)), Settings(group_size=group, act_order=True))
+    assert q.perm is None
+    np.testing.assert_array_equal(q.dequantize().T, deq.numpy())
+
+
 def test_dead_columns_are_zero():
     torch.manual_seed(5)
     w = torch.randn(16, 64)

@@ -181,8 +181,8 @@ def solve(weight: Any, hessian: Any | None, s: Settings, own: bool = False) -> t
         if hinv is not None and i2 < k:
             wt[i2:] -= hinv[i1:i2, i2:].T @ err1
     codes = codes_t.T
-    if static:
-        codes = codes[:, torch.argsort(perm)]
+    if static or (per_row and perm is not None):  # one group per row: its scale ignores the order, so the codes
+        codes = codes[:, torch.argsort(perm)]      # go back to input order too (no Gather; QMoE takes no permutation)
         perm = None
     full = torch.zeros((n, blocks * gs), dtype=torch.float32)
     full[:, :k] = codes

@@ -78,10 +78,10 @@ fuses blocked DequantizeLinear + MatMul into MatMulNBits, by default at accuracy
 
 
 def fp32_activations(model: Any) -> Any:
-    """The graph of INT4's codes check: every MatMulNBits of ``model`` (an onnx ModelProto) at accuracy_level 0
-    (FP32 activations), in place."""
+    """The graph of INT4's codes check: every MatMulNBits and QMoE of ``model`` (an onnx ModelProto) at
+    accuracy_level 0 (FP32 activations), in place."""
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
+        if node.op_type in ("MatMulNBits", "QMoE"):
             for a in node.attribute:
                 if a.name == "accuracy_level":
                     a.i = 0
