@@ -314,6 +314,7 @@ class QuantizeBlockwise(Pass):
         tables = self._tables(g)
         ends = {g.before_scaling(o.name) for o in g.g.output}  # what a head writes: an output, or before its bias / scaling
         plans = []  # (matmul, its prepared initializers): every decision before the first change
+        shared: dict[str, int] = {}  # table -> the plan of its tied head, whose codes the embedding reads too
         handles = g.nodes_of("MatMul")
         progress = Progress("quantize-nbits: weights", len(handles))
         for i, handle in enumerate(handles):
@@ -342,6 +343,8 @@ class QuantizeBlockwise(Pass):
                 stats["given"] += 1
             elif head and self.head_bits is not None:
                 q = rtn(w, self.head_bits, self.head_block_size, self.grid)
+                if tr is not None and tr.input[0] in tables and self._shareable(q):
+                    shared[tr.input[0]] = len(plans)
             else:
                 q = rtn(w, self.bits, self.block_size, self.grid)
                 stats["rounded"] = stats.get("rounded", 0) + 1
@@ -364,6 +367,10 @@ class QuantizeBlockwise(Pass):
         embeds = []  # (Gather, its GatherBlockQuantized): the table quantized now and dropped, as the weights are
         if self.embedding_bits and self.form == "matmulnbits":
             for node in tables.values():
+                if node.input[0] in shared and not plans[shared[node.input[0]]][1].rest:
+                    embeds.append((node, self._shared_rows(g, node, plans[shared[node.input[0]]][1]), (), "int8"))
+                    stats["embedding_shared"] = 1
+                    continue
                 q = rtn(g.constant(node.input[0]).T, self.embedding_bits, self.head_block_size, "signed")
                 data = maybe_spill(numpy_helper.from_array(pack(q.codes, q.bits).reshape(q.codes.shape[0], -1),
                                                            g.fresh(f"{node.input[0]}_q{q.bits}")))
@@ -371,7 +378,7 @@ class QuantizeBlockwise(Pass):
                 new = helper.make_node("GatherBlockQuantized", [data.name, node.input[1], scales.name],
                                        list(node.output), name=g.fresh("GatherBlockQuantized"), domain=MS_DOMAIN,
                                        bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
-                embeds.append((node, new, (data, scales), f"int{q.bits}"))
+                embeds.append((node, [new], (data, scales), f"int{q.bits}"))
                 del q
         for mm, prepared in plans:
             g.replace_nodes([mm], self._lower(g, mm, prepared, stats))
@@ -383,12 +390,39 @@ class QuantizeBlockwise(Pass):
                 stats[key] = stats.get(key, 0) + n
         for node, new, tensors, kind in embeds:
             g.g.initializer.extend(tensors)
-            g.replace_nodes([node], [new])
+            g.replace_nodes([node], new)
             stats["embedding"] = kind
         if plans or embeds or moes:
             g.ensure_opset(MS_DOMAIN, 1)
             g.prune()
         return PassResult(g.model, bool(plans or embeds or moes), stats, skipped)
+
+    def _shareable(self, q: Quantized) -> bool:
+        """A tied head's codes are exactly what the embedding would get (``rtn`` of the same table, 8 bits, the same
+        block, the signed grid) and can be gathered as whole rows: one copy of the table serves both."""
+        return self.embedding_bits == 8 and q.bits == 8 and q.block_size == self.head_block_size and \
+            self.grid == "signed" and q.zeros is None and q.perm is None and q.k % q.block_size == 0 and \
+            self.form == "matmulnbits"
+
+    @staticmethod
+    def _shared_rows(g: Graph, node: onnx.NodeProto, head: Prepared) -> list[onnx.NodeProto]:
+        """The embedding Gather over the tied head's own codes (N, blocks, block) and scales (N, blocks): the rows
+        of the ids, (code - 128) * scale per block, flattened to the ids' shape + (K,). The same numbers
+        GatherBlockQuantized computes from a copy (SmolLM2: 28 MB not stored twice)."""
+        ids = node.input[1]
+        t = {k: g.fresh(f"{node.output[0]}_{k}") for k in ("codes", "float", "centered", "scales", "scale4", "rows",
+                                                               "ids_shape", "shape")}
+        mid = g.add_initializer("int8_zero", np.array(128.0, np.float32))
+        last = g.add_initializer("minus_one", np.array([-1], np.int64))
+        return [helper.make_node("Gather", [head.codes.name, ids], [t["codes"]], name=g.fresh("SharedRows"), axis=0),
+                helper.make_node("Cast", [t["codes"]], [t["float"]], name=g.fresh("SharedCast"), to=TensorProto.FLOAT),
+                helper.make_node("Sub", [t["float"], mid], [t["centered"]], name=g.fresh("SharedCenter")),
+                helper.make_node("Gather", [head.scales.name, ids], [t["scales"]], name=g.fresh("SharedScales"), axis=0),
+                helper.make_node("Unsqueeze", [t["scales"], last], [t["scale4"]], name=g.fresh("SharedScale")),
+                helper.make_node("Mul", [t["centered"], t["scale4"]], [t["rows"]], name=g.fresh("SharedDequantize")),
+                helper.make_node("Shape", [ids], [t["ids_shape"]], name=g.fresh("SharedIdsShape")),
+                helper.make_node("Concat", [t["ids_shape"], last], [t["shape"]], name=g.fresh("SharedShape"), axis=0),
+                helper.make_node("Reshape", [t["rows"], t["shape"]], list(node.output), name=g.fresh("SharedFlat"))]
 
     def _moe(self, g: Graph, node: onnx.NodeProto) -> tuple[onnx.NodeProto, list[onnx.TensorProto], dict[str, int]]:
         """A ``MoE`` node (fuse-moe) -> ``QMoE`` over the same inputs: each expert's gate-up and down weights

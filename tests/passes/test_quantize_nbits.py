@@ -347,3 +347,24 @@ def test_mixture_of_experts_router_stays_fp32(pass_):
     assert kept.op_type == "MatMul" and list(kept.input) == ["x", "router"]
     x = rng.standard_normal((5, 64)).astype(np.float32)
     np.testing.assert_array_equal(run_unoptimised(out, {"x": x})[1], np.argsort(-(x @ router), axis=-1)[:, :2])
+
+
+def test_tied_table_is_stored_once_at_8_bits():
+    """An 8-bit tied head and an 8-bit embedding get the same codes (round-to-nearest of the same table, same block):
+    the embedding gathers the head's rows, (code - 128) * scale, instead of a GatherBlockQuantized copy; exactly
+    what the copy computed, with one table's bytes fewer."""
+    model, e = tied_graph(6)
+    ids = np.array([[0, 5, 39], [7, 7, 1]], np.int64)
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=8, embedding_bits=8,
+                                                       accuracy_level=0)])
+    assert "GatherBlockQuantized" not in op_types(out) and record[0]["stats"]["embedding_shared"] == 1
+    mm = next(n for n in out.graph.node if n.op_type == "MatMulNBits")
+    gathers = [n for n in out.graph.node if n.op_type == "Gather"]
+    assert {n.input[0] for n in gathers} == {mm.input[1], mm.input[2]}  # the head's codes and scales
+    table = rtn(e.T, 8, 32).dequantize().T
+    np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[ids] @ table.T, rtol=1e-5, atol=1e-4)
+    copy, _ = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=8, embedding_bits=8,
+                                                   accuracy_level=0, grid="asym")])  # asym head: not shared
+    assert "GatherBlockQuantized" in op_types(copy)
+    size = lambda m: sum(len(t.raw_data) for t in m.graph.initializer)  # noqa: E731
+    assert size(copy) - size(out) >= e.size  # the 8-bit copy of the table (e.size bytes) is gone
