@@ -352,7 +352,8 @@ def parity_table(manifest: dict[str, Any]) -> str:
         if "int4" in q:
             i4 = q["int4"]
             what = (f"int4 ({i4['method']}, group {i4['group_size']}{', act-order' if i4['act_order'] else ''}): "
-                    f"{q['quantized']} weights quantized ({i4['from_solver']} with the solver's codes), lm_head "
+                    f"{q['quantized']} weights quantized ({i4['from_solver']} with the solver's codes"
+                    f"{', %.2f bits per weight' % i4['bits_per_weight'] if i4.get('bits_per_weight') else ''}), lm_head "
                     f"{i4['lm_head'] or '-'}, embedding {i4['embedding']}, {i4['promoted_int8']} promoted to INT8, "
                     f"{q['kept_fp32']} kept FP32")
         else:

@@ -380,6 +380,12 @@ class QuantizeBlockwise(Pass):
                                        bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
                 embeds.append((node, [new], (data, scales), f"int{q.bits}"))
                 del q
+        parts = [(p.codes, p.scales, p.zeros, p.perm, *(t for r in p.rest for t in (r.codes, r.scales, r.zeros)))
+                 for _, p in plans]
+        stored = sum(stored_bits(*t) for t in parts) + sum(stored_bits(*t) for _, _, t, _ in moes)
+        weights_in = sum(p.k * p.n for _, p in plans) + sum(c["elements"] for *_, c in moes)
+        if weights_in:  # what the quantized weights cost, scales and zero points included (not the embedding)
+            stats["bits_per_weight"] = round(stored / weights_in, 3)
         for mm, prepared in plans:
             g.replace_nodes([mm], self._lower(g, mm, prepared, stats))
             stats["quantized"] += 1
@@ -387,7 +393,8 @@ class QuantizeBlockwise(Pass):
             g.g.initializer.extend(tensors)
             g.replace_nodes([node], [new])
             for key, n in counts.items():
-                stats[key] = stats.get(key, 0) + n
+                if key != "elements":
+                    stats[key] = stats.get(key, 0) + n
         for node, new, tensors, kind in embeds:
             g.g.initializer.extend(tensors)
             g.replace_nodes([node], new)
@@ -445,7 +452,7 @@ class QuantizeBlockwise(Pass):
             block //= 2
         if block == 0 or hidden % block or inner % block:
             raise NoMatch(f"expert widths {hidden} / {inner} are not whole blocks of {block}")
-        counts = {"quantized": 0, "given": 0, "rounded": 0, "moe": 1}
+        counts = {"quantized": 0, "given": 0, "rounded": 0, "moe": 1, "elements": int(fc1.size + fc2.size)}
         tensors: list[onnx.TensorProto] = []
         inputs = {}
         for fc, name, rows_of in ((fc1, "fc1", deinterleave), (fc2, "fc2", lambda r: r)):
@@ -557,6 +564,13 @@ class QuantizeBlockwise(Pass):
             nodes.append(helper.make_node("Concat", outputs, [mm.output[0]], name=g.fresh("Concat"), axis=-1))
             stats["split"] = stats.get("split", 0) + 1
         return nodes
+
+
+def stored_bits(*tensors: onnx.TensorProto | None) -> int:
+    """Bits the initializers take on disk, from their dims and type (spilled ones hold no raw data here)."""
+    size = {TensorProto.UINT8: 8, TensorProto.INT8: 8, TensorProto.FLOAT: 32, TensorProto.FLOAT16: 16,
+            TensorProto.INT4: 4, TensorProto.UINT4: 4, TensorProto.INT64: 64}
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * size[t.data_type] for t in tensors if t is not None)
 
 
 @dataclass(frozen=True)

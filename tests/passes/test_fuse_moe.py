@@ -197,6 +197,9 @@ def test_quantized_experts_become_qmoe_computing_their_codes(bits, grid, rel):
     out, record = run_passes(fused, [QuantizeBlockwise(bits=bits, block_size=32, accuracy_level=0, grid=grid)])
     stats = record[0]["stats"]
     assert stats["moe"] == 1 and stats["quantized"] == 2 * E and stats["rounded"] == 2 * E
+    # codes + one FP32 scale per 32; asym: a byte of zero points per row (fc1's 2 blocks, fc2's 1 padded to a byte)
+    zeros = (2 * I * 8 + H * 8) / (3 * H * I) if grid == "asym" else 0
+    assert stats["bits_per_weight"] == pytest.approx(bits + 1 + zeros, abs=1e-3)
     assert op_types(out).count("QMoE") == 1 and "MoE" not in op_types(out)
     f = feeds(rng)
     want = run(dequantized_moe(fused, w, bits, 32, grid), f)

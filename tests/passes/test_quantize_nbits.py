@@ -368,3 +368,11 @@ def test_tied_table_is_stored_once_at_8_bits():
     assert "GatherBlockQuantized" in op_types(copy)
     size = lambda m: sum(len(t.raw_data) for t in m.graph.initializer)  # noqa: E731
     assert size(copy) - size(out) >= e.size  # the 8-bit copy of the table (e.size bytes) is gone
+
+
+@pytest.mark.parametrize("bits,block,grid,expected", [(4, 32, "signed", 4 + 32 / 32), (4, 32, "asym", 4 + 1 + 4 / 32),
+                                                      (8, 128, "signed", 8 + 32 / 128)])
+def test_bits_per_weight_counts_codes_scales_and_zero_points(bits, block, grid, expected):
+    model, _ = matmul_graph(k=256, n=48)
+    _, record = run_passes(model, [QuantizeBlockwise(bits=bits, block_size=block, grid=grid, accuracy_level=0)])
+    assert record[0]["stats"]["bits_per_weight"] == pytest.approx(expected)

@@ -519,5 +519,6 @@ def cost_and_gain(record: list[dict[str, Any]], report: dict[str, Any]) -> dict[
         i4 = q["int4"]
         out["int4"] = {"method": i4["method"], "group_size": i4["group_size"], "act_order": i4["act_order"],
                        "lm_head": i4["lm_head"], "embedding": i4["embedding"], "from_solver": q["stats"].get("given", 0),
-                       "promoted_int8": q["stats"].get("promoted_int8", 0)}
+                       "promoted_int8": q["stats"].get("promoted_int8", 0),
+                       "bits_per_weight": q["stats"].get("bits_per_weight")}
     return out
