@@ -175,7 +175,9 @@ def main() -> int:
                 i4 = q["int4"]
                 g = i4.get("gptq") or {}
                 b = q.get("budget")
+                bpw = q["stats"].get("bits_per_weight")
                 info = (f"{i4['method']} group {i4['group_size']}, head {i4['lm_head']}, embedding {i4['embedding']}"
+                        + (f", {bpw:.2f} bits/weight" if bpw else "")
                         + (f", {g['windows']} windows in {g['seconds']:.0f}s" if g else "")
                         + (f", {len(b['promoted_int8'])} INT8 + {len(b['kept_fp32'])} FP32 of {b['weights']}" if b else ""))
             print(f"{name:<28} {ppl:>10.3f} {100 * (ppl / base[0] - 1):>+7.1f}% {half:>12.3f} "
