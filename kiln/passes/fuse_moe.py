@@ -31,6 +31,7 @@ measures whole models).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,9 +137,10 @@ class FuseMixtureOfExperts(Pass):
         if topk is None or topk.op_type != "TopK" or picks != topk.output[1]:
             raise NoMatch("the picks are not a TopK's indices")
         k = g.constant(topk.input[1])
-        if k is None or int(np.atleast_1d(k)[0]) > arange.size:
+        k = int(np.atleast_1d(k)[0]) if k is not None else arange.size + 1
+        if k > arange.size:
             raise NoMatch("the TopK's k is not a constant at most the number of experts")
-        return int(np.atleast_1d(k)[0]), int(arange.size), self._renormalised_softmax(g, unsq.input[0], topk)
+        return k, int(arange.size), self._renormalised_softmax(g, unsq.input[0], topk)
 
     @staticmethod
     def _renormalised_softmax(g: Graph, weights: str, topk: onnx.NodeProto) -> str | None:
@@ -146,23 +148,32 @@ class FuseMixtureOfExperts(Pass):
         experts' axis -> z, else None. ONNX Runtime's MoE with ``normalize_routing_weights`` computes exactly that
         from z (measured 2.3e-7 relative; its QMoE renormalises whatever the attribute says)."""
         div = g.producer.get(weights)
-        if div is None or div.op_type != "Div" or attr(topk, "largest", 1) != 1 or attr(topk, "axis", -1) not in (-1, 1):
+        if div is None or attr(topk, "largest", 1) != 1 or attr(topk, "axis", -1) not in (-1, 1):
             return None
-        top, total = div.input
-        node = g.producer.get(total)
-        if node is not None and node.op_type == "Add":
-            eps = next((i for i in node.input if g.is_constant(i)), None)
-            if eps is None or not (0 <= np.asarray(g.constant(eps))).all() or (np.asarray(g.constant(eps)) > 1e-6).any():
-                return None
-            node = g.producer.get(next(i for i in node.input if i != eps))
+        node = FuseMixtureOfExperts._own_sum(g, div, lambda eps: ((0 <= eps) & (eps <= 1e-6)).all())
         axes = g.constant(node.input[1]) if node is not None and len(node.input) > 1 and node.input[1] else None
-        if node is None or node.op_type != "ReduceSum" or node.input[0] != top or top != topk.output[0] or \
-                axes is None or list(np.atleast_1d(axes)) not in ([-1], [1]) or attr(node, "keepdims", 1) != 1:
+        if node is None or div.input[0] != topk.output[0] or axes is None or \
+                list(np.atleast_1d(axes)) not in ([-1], [1]) or attr(node, "keepdims", 1) != 1:
             return None
         soft = g.producer.get(topk.input[0])
         if soft is None or soft.op_type != "Softmax" or attr(soft, "axis", -1) not in (-1, 1):
             return None
         return soft.input[0]
+
+    @staticmethod
+    def _own_sum(g: Graph, div: onnx.NodeProto, eps_ok: Callable[[np.ndarray], bool]) -> onnx.NodeProto | None:
+        """``div`` is ``x / ReduceSum(x)``, or ``x / (ReduceSum(x) + eps)`` with ``eps_ok(eps)``: the ReduceSum, else
+        None (a renormalisation of x by its own sum)."""
+        if div.op_type != "Div" or len(div.input) != 2:
+            return None
+        top, total = div.input
+        node = g.producer.get(total)
+        if node is not None and node.op_type == "Add":
+            eps = next((i for i in node.input if g.is_constant(i)), None)
+            if eps is None or not eps_ok(np.asarray(g.constant(eps))):
+                return None
+            node = g.producer.get(next(i for i in node.input if i != eps))
+        return node if node is not None and node.op_type == "ReduceSum" and node.input[0] == top else None
 
     @staticmethod
     def _last_axis(g: Graph, unsq: onnx.NodeProto) -> bool:
@@ -192,13 +203,7 @@ class FuseMixtureOfExperts(Pass):
                     return False
                 value = b if const == a else a
                 continue
-            total = g.producer.get(b)
-            if total is not None and total.op_type == "Add":  # sum + eps
-                eps = next((i for i in total.input if g.is_constant(i)), None)
-                if eps is None or not (np.asarray(g.constant(eps)) > 0).all():
-                    return False
-                total = g.producer.get(next(i for i in total.input if i != eps))
-            if node.op_type != "Div" or total is None or total.op_type != "ReduceSum" or total.input[0] != a:
+            if FuseMixtureOfExperts._own_sum(g, node, lambda eps: (eps > 0).all()) is None:
                 return False
             value = a
         return False

@@ -455,7 +455,10 @@ class QuantizeBlockwise(Pass):
         counts = {"quantized": 0, "given": 0, "rounded": 0, "moe": 1, "elements": int(fc1.size + fc2.size)}
         tensors: list[onnx.TensorProto] = []
         inputs = {}
-        for fc, name, rows_of in ((fc1, "fc1", deinterleave), (fc2, "fc2", lambda r: r)):
+        same = lambda a: a  # noqa: E731
+        # fc1's rows are interleaved in the node: de-interleaved to find the expert's weight, interleaved back after
+        for fc, name, rows_of, order in ((fc1, "fc1", deinterleave, lambda a: interleave(*np.split(a, 2))),
+                                         (fc2, "fc2", same, same)):
             codes, scales, zeros = [], [], []
             for e in range(fc.shape[0]):
                 w = np.ascontiguousarray(rows_of(fc[e]).T)  # (K, N) as the expert's MatMul held it
@@ -465,7 +468,6 @@ class QuantizeBlockwise(Pass):
                 if q.perm is not None or q.block_size != block or q.bits != self.bits or q.k % block:
                     raise NoMatch(f"expert {e}'s codes ({q.bits} bits, block {q.block_size}, act-order "
                                   f"{q.perm is not None}) are not {self.bits}-bit blocks of {block} in input order")
-                order = (lambda a: interleave(*np.split(a, 2))) if name == "fc1" else (lambda a: a)
                 codes.append(order(pack(q.codes, q.bits).reshape(q.codes.shape[0], -1)))
                 scales.append(order(q.scales))
                 zeros.append(None if q.zeros is None else pack_zeros(order(q.zeros), q.bits))
