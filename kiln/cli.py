@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                         "across-layer ranking (FLAP's structure search)")
     c.add_argument("--asym", action=argparse.BooleanOptionalAction, default=d.asym,
                    help="int4: asymmetric groups with zero points (cpu target; default on for encoders, off for decoders)")
+    c.add_argument("--mixed-bits", action=argparse.BooleanOptionalAction, default=d.mixed_bits,
+                   help="int4 gptq / awq+gptq: attention input and FFN down projections of llama.cpp's more-bits "
+                        "layers at 8 bits (default on for decoders on the cpu target)")
     c.add_argument("--lm-head", default=d.lm_head, metavar="|".join(LM_HEADS),
                    help="int4: precision of the lm_head and the embedding table (default int8)")
     c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=d.accuracy_level,
@@ -283,7 +286,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         calibration_method=args.calibration_method, smoothquant=args.smoothquant, outlier_ratio=args.outlier_ratio,
         disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
         quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
-        lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
+        mixed_bits=args.mixed_bits, lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
         prune=args.prune, prune_method=args.prune_method, prune_layers=args.prune_layers, stream=args.stream,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))
@@ -353,6 +356,7 @@ def parity_table(manifest: dict[str, Any]) -> str:
             i4 = q["int4"]
             what = (f"int4 ({i4['method']}, group {i4['group_size']}{', act-order' if i4['act_order'] else ''}): "
                     f"{q['quantized']} weights quantized ({i4['from_solver']} with the solver's codes"
+                    f"{', %d of them at 8 bits' % i4['more_bits'] if i4.get('more_bits') else ''}"
                     f"{', %.2f bits per weight' % i4['bits_per_weight'] if i4.get('bits_per_weight') else ''}), lm_head "
                     f"{i4['lm_head'] or '-'}, embedding {i4['embedding']}, {i4['promoted_int8']} promoted to INT8, "
                     f"{q['kept_fp32']} kept FP32")

@@ -179,12 +179,14 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def packed_codes(artifact: Path) -> list[bytes]:
-    """Every MatMulNBits weight's packed codes and scales in an artifact, in graph order."""
+    """Every MatMulNBits weight's packed codes and scales (FP16 ones through their Cast) in an artifact, in graph
+    order."""
     import onnx
     from onnx import numpy_helper
 
     model = onnx.load(str(artifact / "model.onnx"))
     init = {t.name: t for t in model.graph.initializer}
+    init.update({n.output[0]: init[n.input[0]] for n in model.graph.node if n.op_type == "Cast" and n.input[0] in init})
     return [numpy_helper.to_array(init[n.input[i]]).tobytes() for n in model.graph.node
             if n.op_type == "MatMulNBits" for i in (1, 2)]
 

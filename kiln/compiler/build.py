@@ -34,6 +34,7 @@ from kiln.compiler.options import (
     PRECISIONS,
     QUANT_METHODS,
     REDUCED_FLOAT,
+    SOLVED_METHODS,
     TARGETS,
     TASKS,
     CompileOptions,
@@ -94,6 +95,7 @@ def _check_options(options: CompileOptions) -> None:
 
 def _check_int4(options: CompileOptions) -> None:
     int4_flags = [f for f, on in (("--asym", options.asym is not None),
+                                  ("--mixed-bits", options.mixed_bits is not None),
                                   ("--lm-head", options.lm_head is not None),
                                   ("--quant-method", options.quant_method != CompileOptions.quant_method),
                                   ("--group-size", options.group_size != CompileOptions.group_size)) if on]
@@ -106,6 +108,9 @@ def _check_int4(options: CompileOptions) -> None:
         raise UsageError(f"--group-size {g}: give a power of two >= 16 (32, 64, 128) or 0 for one group per row")
     if options.lm_head is not None and options.lm_head not in LM_HEADS:
         raise UsageError(f"--lm-head {options.lm_head!r} is unknown; choose one of {', '.join(LM_HEADS)}")
+    if options.mixed_bits and (options.target == "tensorrt" or options.quant_method not in SOLVED_METHODS):
+        raise UsageError(f"--mixed-bits needs a solver on the cpu target (--quant-method gptq or awq+gptq, not "
+                         f"{options.quant_method} on {options.target}); drop --mixed-bits")
     if options.asym and options.target == "tensorrt":
         raise UsageError("--asym --target tensorrt: TensorRT takes symmetric INT4 only; drop --asym")
     if options.gptq_windows < 1:
@@ -120,11 +125,12 @@ def imported_options(ckpt: Checkpoint, options: CompileOptions) -> CompileOption
     if options.precision not in ("fp32", "int4"):
         raise UsageError(f"{ckpt.source['path']} is already quantized ({info.get('format')}, {info.get('bits')}-bit); "
                          "compile it without --precision (or with --precision int4)")
-    if options.asym or options.quant_method != CompileOptions.quant_method or options.calibration:
-        raise UsageError(f"{ckpt.source['path']} is already quantized: --asym, --quant-method and --calibration do "
-                         "not apply (its codes are compiled as they are)")
+    if options.asym or options.mixed_bits or options.quant_method != CompileOptions.quant_method or options.calibration:
+        raise UsageError(f"{ckpt.source['path']} is already quantized: --asym, --mixed-bits, --quant-method and "
+                         "--calibration do not apply (its codes are compiled as they are)")
     group = int(info.get("group_size", 128))
-    return replace(options, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn", asym=False)
+    return replace(options, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn", asym=False,
+                   mixed_bits=False)
 
 
 def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions | None = None,

@@ -34,6 +34,11 @@ from kiln.passes.quantize_int8 import MIN_INNER, matmul_weight, quantizable_matr
 BITS = (4, 8)
 PROMOTED = (8, 32)
 """Bits and block size of a weight an INT4 budget promotes (``promote_int8``)."""
+HALF_MIN, HALF_MAX = 2.0 ** -14, 65504.0
+"""Scales whose magnitude lies in FP16's normal range are rounded to FP16 by every quantizer (``half_exact``) and
+stored as FP16 with a Cast the session folds at load (same kernel, same speed: a prepacked MatMulNBits reads the
+folded FP32 scales): group 32 costs 4.5 bits per weight instead of 5. A weight with any scale outside the range
+keeps FP32 scales."""
 GRIDS = ("signed", "positive", "asym")
 """signed: symmetric, the block's largest-magnitude weight exact at the most negative code (scale carries the
 sign; ONNX Runtime's RTN grid). positive: symmetric with a positive scale, the smallest that keeps both
@@ -199,9 +204,20 @@ def _rtn(w: np.ndarray, bits: int, block_size: int, grid: str) -> Quantized:
         safe = np.where(scale == 0, 1.0, scale)
         zeros = np.clip(np.rint(-lo / safe), 0, top).astype(np.uint8)
         zero = zeros.astype(np.float64)[..., None]
-    scale = np.where(scale == 0, 1.0, scale)  # an all-zero block stays exactly zero
+    scale = half_exact(np.where(scale == 0, 1.0, scale))  # an all-zero block stays exactly zero
     codes = np.clip(np.rint(wt / scale[..., None]) + zero, 0, top).astype(np.uint8)
     return Quantized(codes, scale.astype(np.float32), zeros, bits, block_size, k)
+
+
+def half_exact(scale: np.ndarray) -> np.ndarray:
+    """``scale`` rounded to FP16 where FP16 holds it as a normal number (``HALF_MIN``)."""
+    half = scale.astype(np.float16).astype(scale.dtype)
+    return np.where((np.abs(scale) >= HALF_MIN) & (np.abs(scale) <= HALF_MAX), half, scale)
+
+
+def half_scales(scales: np.ndarray) -> bool:
+    """Every scale exactly an FP16 number: stored in half the bytes."""
+    return bool(np.array_equal(scales.astype(np.float16).astype(np.float32), scales))
 
 
 def quantize_blocks(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -341,6 +357,8 @@ class QuantizeBlockwise(Pass):
                 stats["promoted_int8"] = stats.get("promoted_int8", 0) + 1
             elif q is not None:
                 stats["given"] += 1
+                if q.bits != self.bits:  # a solver's mixed widths (gptq.Settings.more_bits)
+                    stats["more_bits"] = stats.get("more_bits", 0) + 1
             elif head and self.head_bits is not None:
                 q = rtn(w, self.head_bits, self.head_block_size, self.grid)
                 if tr is not None and tr.input[0] in tables and self._shareable(q):
@@ -421,10 +439,13 @@ class QuantizeBlockwise(Pass):
                                                                "ids_shape", "shape")}
         mid = g.add_initializer("int8_zero", np.array(128.0, np.float32))
         last = g.add_initializer("minus_one", np.array([-1], np.int64))
-        return [helper.make_node("Gather", [head.codes.name, ids], [t["codes"]], name=g.fresh("SharedRows"), axis=0),
+        nodes: list[onnx.NodeProto] = []
+        scales = float_scales(g, head.scales, nodes)
+        return nodes + [
+                helper.make_node("Gather", [head.codes.name, ids], [t["codes"]], name=g.fresh("SharedRows"), axis=0),
                 helper.make_node("Cast", [t["codes"]], [t["float"]], name=g.fresh("SharedCast"), to=TensorProto.FLOAT),
                 helper.make_node("Sub", [t["float"], mid], [t["centered"]], name=g.fresh("SharedCenter")),
-                helper.make_node("Gather", [head.scales.name, ids], [t["scales"]], name=g.fresh("SharedScales"), axis=0),
+                helper.make_node("Gather", [scales, ids], [t["scales"]], name=g.fresh("SharedScales"), axis=0),
                 helper.make_node("Unsqueeze", [t["scales"], last], [t["scale4"]], name=g.fresh("SharedScale")),
                 helper.make_node("Mul", [t["centered"], t["scale4"]], [t["rows"]], name=g.fresh("SharedDequantize")),
                 helper.make_node("Shape", [ids], [t["ids_shape"]], name=g.fresh("SharedIdsShape")),
@@ -523,6 +544,7 @@ class QuantizeBlockwise(Pass):
             zeros = None
         else:
             packed = pack(q.codes, q.bits)
+            scale_type = np.float16 if half_scales(q.scales) else np.float32
             n = int(q.codes.shape[0])
             count = -(-packed.nbytes // PART_BYTES)
             rows = -(-n // count)
@@ -530,7 +552,8 @@ class QuantizeBlockwise(Pass):
             for i, lo in enumerate(range(0, n, rows)):
                 tag = f"_part{i}" if count > 1 else ""
                 hi = min(n, lo + rows)
-                parts.append(Part(tensor(f"q{q.bits}{tag}", packed[lo:hi]), tensor(f"scales{tag}", q.scales[lo:hi]),
+                parts.append(Part(tensor(f"q{q.bits}{tag}", packed[lo:hi]),
+                                  tensor(f"scales{tag}", q.scales[lo:hi].astype(scale_type)),
                                   tensor(f"zero_points{tag}", pack_zeros(q.zeros[lo:hi], q.bits))
                                   if q.zeros is not None else None, hi - lo))
             return Prepared(parts[0].codes, parts[0].scales, parts[0].zeros, perm, q.bits, q.block_size, int(q.k), n,
@@ -556,7 +579,8 @@ class QuantizeBlockwise(Pass):
         parts = [Part(p.codes, p.scales, p.zeros, p.n - sum(r.n for r in p.rest)), *p.rest]
         outputs = [mm.output[0]] if len(parts) == 1 else [g.fresh(f"{mm.output[0]}_part{i}") for i in range(len(parts))]
         for part, out in zip(parts, outputs):
-            inputs = [x, part.codes.name, part.scales.name] + ([part.zeros.name] if part.zeros is not None else [])
+            scales = float_scales(g, part.scales, nodes)
+            inputs = [x, part.codes.name, scales] + ([part.zeros.name] if part.zeros is not None else [])
             nodes.append(helper.make_node("MatMulNBits", inputs, [out], name=g.fresh("MatMulNBits"),
                                           domain=MS_DOMAIN, K=p.k, N=part.n, bits=p.bits, block_size=p.block_size,
                                           accuracy_level=self.accuracy_level))
@@ -566,6 +590,15 @@ class QuantizeBlockwise(Pass):
             nodes.append(helper.make_node("Concat", outputs, [mm.output[0]], name=g.fresh("Concat"), axis=-1))
             stats["split"] = stats.get("split", 0) + 1
         return nodes
+
+
+def float_scales(g: Graph, scales: onnx.TensorProto, nodes: list[onnx.NodeProto]) -> str:
+    """The FP32 scales a kernel reads: the initializer itself, or a Cast of FP16 ones (appended to ``nodes``)."""
+    if scales.data_type != TensorProto.FLOAT16:
+        return scales.name
+    out = g.fresh(f"{scales.name}_float")
+    nodes.append(helper.make_node("Cast", [scales.name], [out], name=g.fresh("ScalesCast"), to=TensorProto.FLOAT))
+    return out
 
 
 def stored_bits(*tensors: onnx.TensorProto | None) -> int:

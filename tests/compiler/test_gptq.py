@@ -23,7 +23,8 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
 
 def reference_gptq(w: np.ndarray, h: np.ndarray, bits: int, group: int, damp: float = 0.01) -> np.ndarray:
     """Column by column in float64, no lazy batches: quantize, then spread the error over the columns not yet
-    quantized with the Cholesky factor of the inverse Hessian (Frantar et al., Algorithm 1), signed grid."""
+    quantized with the Cholesky factor of the inverse Hessian (Frantar et al., Algorithm 1), signed grid, each
+    group's scale rounded to FP16 as kiln stores it."""
     w = w.astype(np.float64).copy()
     h = h.astype(np.float64).copy()
     n, k = w.shape
@@ -38,7 +39,7 @@ def reference_gptq(w: np.ndarray, h: np.ndarray, bits: int, group: int, damp: fl
         if j % group == 0:
             g = w[:, j:j + group]
             extreme = g[np.arange(n), np.abs(g).argmax(1)]
-            scale = np.where(extreme == 0, 1.0, extreme / -mid)
+            scale = np.where(extreme == 0, 1.0, extreme / -mid).astype(np.float16).astype(np.float64)  # FP16 scales
         codes = np.clip(np.rint(w[:, j] / scale) + mid, 0, top)
         q[:, j] = (codes - mid) * scale
         err = (w[:, j] - q[:, j]) / u[j, j]
@@ -190,3 +191,44 @@ def test_lm_head_is_solved_on_the_quantized_blocks_outputs():
         exact = hidden @ table.T
         rounded = hidden @ torch.from_numpy(rtn(table.numpy().T, 4, 32).dequantize())
     assert (solved - exact).pow(2).mean() < 0.8 * (rounded - exact).pow(2).mean()
+
+
+def test_more_bits_layers_are_llama_cpps():
+    """llama.cpp's use_more_bits (src/llama-quant.cpp): i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2."""
+    assert [i for i in range(30) if gptq.more_bits_layer(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert [i for i in range(2) if gptq.more_bits_layer(i, 2)] == [1]
+    assert [i for i in range(32) if gptq.more_bits_layer(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28,
+                                                                     29, 30, 31]
+
+
+def test_more_bits_linears_are_the_attention_inputs_and_the_down_projection():
+    llama = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+             ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    assert gptq.more_bits_linears(llama) == {*llama[0], "mlp.down_proj"}
+    gpt2 = [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]]
+    assert gptq.more_bits_linears(gpt2) == {"attn.c_attn", "mlp.c_proj"}
+    moe = llama[:2] + [["mlp.gate", "mlp.experts.0.gate_proj", "mlp.experts.0.up_proj"], ["mlp.experts.0.down_proj"],
+                       ["mlp.experts.1.down_proj"]]
+    assert gptq.more_bits_linears(moe) == set(llama[0])  # QMoE takes one width for every expert
+
+
+def test_a_more_bits_block_solves_its_attention_inputs_and_down_at_8_bits():
+    """quantize_block with ``Settings.more_bits``: in a more-bits layer the chosen Linears are solved at 8 bits (their
+    weights become the 8-bit solution), the others at 4; outside one every Linear stays at 4."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    rotary = LlamaRotaryEmbedding(cfg)
+    for index, expect8 in ((1, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"}),
+                           (0, set())):
+        block = LlamaDecoderLayer(cfg, 0).eval()
+        x = torch.randn(1, 24, 64)
+        pos = rotary(x, torch.arange(24)[None])
+        states = [(x, (), {"position_embeddings": pos, "attention_mask": None})]
+        got = {}
+        n = gptq.quantize_block(block, states, Settings(group_size=32, more_bits=8),
+                                lambda name, w, q: got.update({name: q}), layer=(index, 2))
+        assert n == 7 and {name for name, q in got.items() if q.bits == 8} == expect8
+        assert {q.bits for name, q in got.items() if name not in expect8} == {4}

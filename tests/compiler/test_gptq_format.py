@@ -299,7 +299,8 @@ def test_export_then_import_gives_the_same_codes(tmp_path, checkpoints):
     from kiln.compiler.quantize.int8 import Driver
 
     src = load_checkpoint(checkpoints["llama"])
-    driver = Driver(src, model_facts(src), fast_options(precision="int4", group_size=16), lambda m: None)
+    driver = Driver(src, model_facts(src), fast_options(precision="int4", group_size=16, mixed_bits=False),
+                    lambda m: None)  # export-gptq's recipe: one width
     driver._gptq()
     for name, q in driver.named.items():
         mine = from_gptq(to_gptq(q), 4, 16, True, True, name)  # fp16 scales, as the checkpoint stores them

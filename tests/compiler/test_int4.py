@@ -56,8 +56,10 @@ def test_gptq_int4_artifact_records_what_it_ran(int4_artifact):
     assert m["verification"]["status"] == "passed" and m["precision"] == "int4"
     q = entry(m, "quantize-nbits")
     s = q["stats"]
-    # 2 layers x (packed QKV, O, gate, up, down): every body weight carries the solver's codes; head from RTN
+    # 2 layers x (packed QKV, O, gate, up, down): every body weight carries the solver's codes; head from RTN;
+    # the mixed recipe solved layer 1's (llama.cpp's more-bits layer of 2: the last eighth) QKV and down at 8 bits
     assert s["bits"] == 4 and s["block_size"] == 32 and s["given"] == 10 and s["quantized"] == 11
+    assert s["more_bits"] == 2 and q["int4"]["mixed_bits"]
     # act-order with static groups: codes in the input order, no activation Gather in front of any kernel
     assert s["head"] == "int8" and s["embedding"] == "int8" and s["act_order_gathers"] == 0
     i4 = q["int4"]
@@ -66,8 +68,10 @@ def test_gptq_int4_artifact_records_what_it_ran(int4_artifact):
     model = onnx.load(str(out / "model.onnx"))
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulNBits") == 11 and "GatherBlockQuantized" in ops and "MatMul" not in ops
-    bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node if n.op_type == "MatMulNBits")
-    assert bits == [4] * 10 + [8]
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert bits == [4] * 5 + [8, 4, 4, 4, 8] + [8]  # layer 0, layer 1 (QKV, O, gate, up, down), the head
+    # scales are FP16, each cast once at load: 4 + 0.5 bits per weight at 4 bits, 8 + 0.5 at 8
+    assert {t.data_type for t in int4_scales(model)} == {onnx.TensorProto.FLOAT16}
     # nothing left in FP32 but norms and rotary tables
     fp32 = sum(numpy_helper.to_array(t).size for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT)
     assert fp32 < 0.1 * sum(p.numel() for p in load_checkpoint(int4_artifact[0]).model.parameters())
@@ -123,7 +127,10 @@ def reverify(ckpt_path, artifact, tmp_path, mutate) -> tuple[dict, dict]:
 
 
 def int4_scales(model):
+    """The 4-bit kernels' scale initializers (FP16 ones through their Cast)."""
     by_name = {t.name: t for t in model.graph.initializer}
+    by_name.update({n.output[0]: by_name[n.input[0]] for n in model.graph.node if n.op_type == "Cast"
+                    and n.input[0] in by_name})
     return [by_name[n.input[2]] for n in model.graph.node if n.op_type == "MatMulNBits"
             and next(a.i for a in n.attribute if a.name == "bits") == 4]
 
@@ -211,6 +218,8 @@ def test_encoder_int4_rtn(checkpoints, tmp_path):
     (["--quant-method", "hqq"], "unknown"),
     (["--lm-head", "fp16"], "unknown"),
     (["--asym", "--target", "tensorrt"], "symmetric INT4 only"),
+    (["--mixed-bits", "--quant-method", "rtn"], "needs a solver"),
+    (["--mixed-bits", "--target", "tensorrt"], "needs a solver"),
 ])
 def test_int4_flag_errors(checkpoints, tmp_path, capsys, flags, message):
     out = tmp_path / "bad"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from graphs import op_types, run_unoptimised
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes import run_passes
@@ -33,7 +34,9 @@ def test_grid_keeps_each_blocks_extreme_weight_exact(bits):
         for b in range(3):
             block = w[32 * b:32 * (b + 1), n]
             i = np.abs(block).argmax()
-            assert back[32 * b + i, n] == pytest.approx(block[i], rel=1e-6)  # maps to the most negative code exactly
+            # maps to the most negative code exactly; its scale is an FP16 number, so the weight is FP16-exact
+            assert back[32 * b + i, n] == pytest.approx(block[i], rel=2 ** -11)
+            assert float(np.float16(scales[n, b])) == scales[n, b]
             step = np.abs(scales[n, b])
             err = np.abs(back[32 * b:32 * (b + 1), n] - block)
             # the grid is asymmetric by one code: weights of the other sign near the extreme clip by < 1 step
@@ -107,7 +110,7 @@ def test_tied_head_through_a_transpose_is_quantized():
     """MatMul(h, Transpose(E)) with E also read by the embedding Gather: the head is quantized, E stays."""
     model, e = tied_graph(0)
     out, record = run_passes(model, [QuantizeBlockwise(bits=8, block_size=16, accuracy_level=0)])
-    assert record[0]["stats"]["quantized"] == 1 and op_types(out) == ["Gather", "MatMulNBits"]
+    assert record[0]["stats"]["quantized"] == 1 and op_types(out) == ["Gather", "Cast", "MatMulNBits"]
     ids = np.array([[0, 5, 39]], np.int64)
     wq = dequantize_blocks(*quantize_blocks(e.T, 8, 16), 8, 32)
     np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], e[ids] @ wq, rtol=1e-4, atol=1e-4)
@@ -242,7 +245,7 @@ def test_embedding_table_and_head_precision():
     np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[ids] @ e.T, rtol=1e-5, atol=1e-4)
     out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=8, embedding_bits=4,
                                                        accuracy_level=0)])
-    assert op_types(out) == ["GatherBlockQuantized", "MatMulNBits"] and record[0]["stats"]["head"] == "int8"
+    assert sorted(op_types(out)) == ["Cast", "GatherBlockQuantized", "MatMulNBits"] and record[0]["stats"]["head"] == "int8"
     table = rtn(e.T, 4, 32).dequantize().T
     np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[ids] @ rtn(e.T, 8, 32).dequantize(),
                                rtol=1e-5, atol=1e-4)
@@ -360,7 +363,10 @@ def test_tied_table_is_stored_once_at_8_bits():
     assert "GatherBlockQuantized" not in op_types(out) and record[0]["stats"]["embedding_shared"] == 1
     mm = next(n for n in out.graph.node if n.op_type == "MatMulNBits")
     gathers = [n for n in out.graph.node if n.op_type == "Gather"]
-    assert {n.input[0] for n in gathers} == {mm.input[1], mm.input[2]}  # the head's codes and scales
+    casts = {n.output[0]: n.input[0] for n in out.graph.node if n.op_type == "Cast"}
+    assert casts[mm.input[2]] in {t.name for t in out.graph.initializer}  # the head's FP16 scales, cast at load
+    # the head's codes and (the FP32 cast of) the same FP16 scales initializer
+    assert {casts.get(n.input[0], n.input[0]) for n in gathers} == {mm.input[1], casts[mm.input[2]]}
     table = rtn(e.T, 8, 32).dequantize().T
     np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[ids] @ table.T, rtol=1e-5, atol=1e-4)
     copy, _ = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, head_bits=8, embedding_bits=8,
@@ -370,9 +376,24 @@ def test_tied_table_is_stored_once_at_8_bits():
     assert size(copy) - size(out) >= e.size  # the 8-bit copy of the table (e.size bytes) is gone
 
 
-@pytest.mark.parametrize("bits,block,grid,expected", [(4, 32, "signed", 4 + 32 / 32), (4, 32, "asym", 4 + 1 + 4 / 32),
-                                                      (8, 128, "signed", 8 + 32 / 128)])
+@pytest.mark.parametrize("bits,block,grid,expected", [(4, 32, "signed", 4 + 16 / 32), (4, 32, "asym", 4 + 0.5 + 4 / 32),
+                                                      (8, 128, "signed", 8 + 16 / 128)])
 def test_bits_per_weight_counts_codes_scales_and_zero_points(bits, block, grid, expected):
+    """Scales are FP16 (16 bits a block) when FP16 holds every one; a weight with a scale below FP16's normal
+    range keeps FP32 scales (32 bits a block), with its codes and output unchanged."""
     model, _ = matmul_graph(k=256, n=48)
     _, record = run_passes(model, [QuantizeBlockwise(bits=bits, block_size=block, grid=grid, accuracy_level=0)])
     assert record[0]["stats"]["bits_per_weight"] == pytest.approx(expected)
+    tiny = onnx.ModelProto()
+    tiny.CopyFrom(model)
+    w = next(t for t in tiny.graph.initializer if len(t.dims) == 2)
+    small = numpy_helper.to_array(w).copy()
+    small[:, 0] *= 1e-6  # one output column's scales under 2^-14
+    w.CopyFrom(numpy_helper.from_array(small, w.name))
+    out, record = run_passes(tiny, [QuantizeBlockwise(bits=bits, block_size=block, grid=grid, accuracy_level=0)])
+    assert record[0]["stats"]["bits_per_weight"] == pytest.approx(expected + 16 / block)
+    assert "Cast" not in op_types(out)
+    rng = np.random.default_rng(1)
+    x, y_t = rng.standard_normal((1, 3, 256)).astype(np.float32), rng.standard_normal((1, 48, 3)).astype(np.float32)
+    want = np.maximum(x @ rtn(small, bits, block, grid).dequantize(), 0) @ y_t
+    np.testing.assert_allclose(run_unoptimised(out, {"x": x, "y_t": y_t})[0], want, rtol=1e-4, atol=1e-5)

@@ -19,7 +19,7 @@ from kiln.errors import UsageError
 def export(checkpoint: str | Path, output: str | Path, options: Any, say: Any) -> Path:
     """``kiln export-gptq``: GPTQ (kiln's solver, ``options``' group size, act-order, symmetry, calibration) on
     the checkpoint, written as a GPTQ v1 checkpoint at ``output`` (staged, renamed at the end)."""
-    options = replace(options, precision="int4", quant_method="gptq")
+    options = replace(options, precision="int4", quant_method="gptq", mixed_bits=False)  # GPTQ v1: one width
     _check_options(options)
     if options.target != "cpu":
         raise UsageError("export-gptq writes a checkpoint, not a target graph; drop --target")

@@ -27,13 +27,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kiln.passes.quantize_nbits import Codebook, Quantized
+from kiln.passes.quantize_nbits import HALF_MAX, HALF_MIN, Codebook, Quantized
 
 Progress = Callable[[str], None]
 LAZY_BLOCK = 128
@@ -53,10 +53,30 @@ class Settings:
     the kernel needs no activation Gather (SmolLM2-135M decode 171 vs 133 tok/s with one Gather per MatMul)."""
     method: str = "gptq"  # gptq | rtn
     damp: float = 0.01
+    more_bits: int = 0
+    """When set (8), the Linears that read a more-bits layer's attention input (Q, K, V, packed or not) and its FFN
+    down projection are solved at this many bits (``more_bits_layer``; the rest at ``bits``): llama.cpp's Q4_K_M
+    mix, with the attention inputs in place of its V alone (a traced graph packs Q, K and V into one MatMul)."""
     mse: bool = False
     """Search a shrunk range per group (0.80..1.00) for the lowest squared weight error. Off by default: on
     SmolLM2-135M (group 128, 32 windows) it cost RTN 24.50 -> 26.19 and GPTQ 22.83 -> 22.59 held-out perplexity:
     shrinking gives up the signed grid's exact extreme."""
+
+
+def more_bits_layer(index: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and the last eighth of the layers, and every third one between."""
+    eighth = layers // 8
+    return index < eighth or index >= 7 * layers // 8 or (index - eighth) % 3 == 2
+
+
+def more_bits_linears(stages: list[list[str]]) -> set[str]:
+    """A block's Linears that get ``Settings.more_bits``: the first stage (what reads the attention input) and, in a
+    block of at most four stages (attention in / out, FFN in / down: not a mixture of experts, whose QMoE takes one
+    width), a last stage of one Linear (the down projection)."""
+    chosen = set(stages[0]) if stages else set()
+    if 2 <= len(stages) <= 4 and len(stages[-1]) == 1:
+        chosen |= set(stages[-1])
+    return chosen
 
 
 def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
@@ -84,7 +104,7 @@ def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
 
     scale, zero = params(torch.ones(w.shape[0], dtype=w.dtype))
     if not mse:
-        return scale, zero
+        return half_exact(scale), zero
     best = _qerror(w, scale, zero, top)
     for p in np.linspace(0.98, 0.80, 10):
         s, z = params(torch.full((w.shape[0],), float(p), dtype=w.dtype))
@@ -93,7 +113,16 @@ def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
         if better.any():
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
-    return scale, zero
+    return half_exact(scale), zero
+
+
+def half_exact(scale: Any) -> Any:
+    """Scales rounded to FP16 where FP16 holds them as normal numbers (the pass then stores them in half the bytes,
+    ``kiln.passes.quantize_nbits.HALF_SCALES``); codes are computed with the rounded scales, so they stay exact."""
+    import torch
+
+    half = scale.to(torch.float16).to(scale.dtype)
+    return torch.where((scale.abs() >= HALF_MIN) & (scale.abs() <= HALF_MAX), half, scale)
 
 
 def _codes(w: Any, scale: Any, zero: Any, top: int) -> Any:
@@ -280,7 +309,8 @@ def quantize_model(model: Any, windows: Sequence[dict[str, Any]], num_layers: in
             if named is not None:
                 named[f"{prefix}.{index}.{name}"] = q
 
-        n = quantize_block(block, states, settings, solved, skip=lambda name, i=index: skip(f"{i}.{name}"))
+        n = quantize_block(block, states, settings, solved, skip=lambda name, i=index: skip(f"{i}.{name}"),
+                           layer=(index, len(blocks)))
         say(f"{settings.method} block {index + 1}/{len(blocks)}: {n} linears, {time.perf_counter() - t0:.0f}s")
     if head:
         _quantize_head(model, windows, settings, result)
@@ -306,12 +336,14 @@ Solved = Callable[[str, np.ndarray, Quantized], None]
 
 
 def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: Settings, solved: Solved,
-                   skip: Callable[[str], bool] = lambda name: False, compute: Any = None, feed: bool = True) -> int:
+                   skip: Callable[[str], bool] = lambda name: False, compute: Any = None, feed: bool = True,
+                   layer: tuple[int, int] | None = None) -> int:
     """GPTQ (or RTN) of one Transformer block's Linears on its inputs ``states`` (hidden states, other arguments,
     keyword arguments), which become the quantized block's outputs (the next block's inputs; ``feed=False``: the
     caller runs the block on them itself). Each Linear's weight becomes what its codes dequantize to. ``compute``:
     the torch dtype the block runs in (None: its own); the Linears are solved from their FP32 weights as the block
-    holds them on entry. Returns the Linears solved."""
+    holds them on entry. ``layer``: (index, count) of the block, for ``Settings.more_bits``. Returns the Linears
+    solved."""
     import torch
 
     linears = {name: m for name, m in block.named_modules() if is_linear(m) and not skip(name)}
@@ -322,8 +354,14 @@ def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: 
         block.to(compute)
     hidden = [h for h, _, _ in states]
     rest = [(a, kw) for _, a, kw in states]
+    more = settings.more_bits and layer is not None and more_bits_layer(*layer)
     with torch.no_grad():
-        for stage in _stages(block, linears, hidden[0], rest[0]) if settings.method == "gptq" else [list(linears)]:
+        stages = _stages(block, linears, hidden[0], rest[0]) if settings.method == "gptq" or more else [list(linears)]
+        wider = replace(settings, bits=settings.more_bits) if more else settings
+        promoted = more_bits_linears(stages) if more else set()
+        if settings.method != "gptq":
+            stages = [[name for st in stages for name in st]]
+        for stage in stages:
             if settings.method == "gptq":  # Hessians of this stage's inputs, earlier stages already quantized
                 last = linears[stage[-1]]
                 hooks = [linears[name].register_forward_hook(lambda mod, args, out, h=hess[name]: h.add(args[0]))
@@ -343,7 +381,8 @@ def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: 
                 conv = not isinstance(m, torch.nn.Linear)  # GPT-2's Conv1D holds (K, N)
                 w_nk = originals.pop(name)
                 original = w_nk.numpy().T.copy()  # a copy: the weight may be overwritten below
-                q, deq = solve(w_nk, hess.pop(name).h if settings.method == "gptq" else None, settings, own=True)
+                q, deq = solve(w_nk, hess.pop(name).h if settings.method == "gptq" else None,
+                               wider if name in promoted else settings, own=True)
                 m.weight.copy_((deq.T if conv else deq).to(m.weight.dtype))
                 solved(name, original, q)
         if feed:
@@ -373,7 +412,7 @@ def quantize_streamed(stream: Any, windows: Sequence[dict[str, Any]], settings: 
             def solved(name: str, original: Any, q: Quantized, i: int = i) -> None:
                 keys[f"{stream.stack}.{i}.{name}.weight"] = book.add(original, q)
 
-            quantize_block(layer, states, settings, solved, compute=compute, feed=False)
+            quantize_block(layer, states, settings, solved, compute=compute, feed=False, layer=(i, len(stream.layers)))
             stream.apply(layer, states)  # the quantized layer's outputs feed the next one
         out = stream.head()
         if head and isinstance(out, torch.nn.Linear):

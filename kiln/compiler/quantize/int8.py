@@ -239,7 +239,7 @@ class Driver:
                     "lm_head": stats.get("head"), "embedding": stats.get("embedding") or "fp32",
                     "accuracy_level": o.accuracy_level, "gptq": None, "layers_imported": i["layers"]}
         return {"method": o.quant_method, "bits": 4, "group_size": o.group_size or "per-row",
-                "act_order": o.act_order and o.quant_method in SOLVED_METHODS,
+                "act_order": o.act_order and o.quant_method in SOLVED_METHODS, "mixed_bits": bool(o.mixed_bits),
                 "symmetric": not o.asym, "grid": stats.get("grid"), "lm_head": stats.get("head"),
                 "embedding": stats.get("embedding") or "fp32", "accuracy_level": o.accuracy_level,
                 "gptq": self.gptq_info or None, **({"awq": self.awq_info} if self.awq_info else {})}
@@ -401,7 +401,8 @@ class Driver:
     def _settings(self) -> gptq.Settings:
         o = self.options
         return gptq.Settings(bits=4, group_size=o.group_size, grid="asym" if o.asym else
-                             "positive" if o.target == "tensorrt" else "signed", act_order=o.act_order)
+                             "positive" if o.target == "tensorrt" else "signed", act_order=o.act_order,
+                             more_bits=8 if o.mixed_bits else 0)
 
     def awq(self) -> None:
         """AWQ's scales on the eager model before it is traced (``kiln.compiler.quantize.awq``): the model is
@@ -520,5 +521,6 @@ def cost_and_gain(record: list[dict[str, Any]], report: dict[str, Any]) -> dict[
         out["int4"] = {"method": i4["method"], "group_size": i4["group_size"], "act_order": i4["act_order"],
                        "lm_head": i4["lm_head"], "embedding": i4["embedding"], "from_solver": q["stats"].get("given", 0),
                        "promoted_int8": q["stats"].get("promoted_int8", 0),
+                       "more_bits": q["stats"].get("more_bits", 0),
                        "bits_per_weight": q["stats"].get("bits_per_weight")}
     return out
