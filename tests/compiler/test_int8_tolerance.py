@@ -41,6 +41,8 @@ def scales(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     names = [n.input[4 if n.op_type == "QAttention" else 2] for n in model.graph.node
              if n.op_type in ("DynamicQuantizeMatMul", "QAttention", "MatMulNBits")]
     by_name = {t.name: t for t in model.graph.initializer}
+    by_name.update({n.output[0]: by_name[n.input[0]] for n in model.graph.node if n.op_type == "Cast"
+                    and n.input[0] in by_name})  # FP16 scales, cast to FP32 at load
     return [by_name[n] for n in names]
 
 

@@ -119,7 +119,7 @@ def test_int4_budget_promotes_to_int8_then_fp32(value, kept, promoted):
     assert (result["kept_fp32"], result["promoted_int8"]) == (kept, promoted)
     assert list(result["sensitivity"])[0] == "W2" and result["sensitivity"]["W1"] < 1e-6
     assert result["heldout_cosine"] >= value
-    ops = [n.op_type for n in result["model"].graph.node]
+    ops = [n.op_type for n in result["model"].graph.node if n.op_type != "Cast"]  # Casts: FP16 scales
     assert ops == (["MatMulNBits"] * 3 if not kept else ["MatMulNBits", "MatMul", "MatMulNBits"])
     bits = [next(a.i for a in n.attribute if a.name == "bits") for n in result["model"].graph.node if n.op_type == "MatMulNBits"]
     assert bits == ([4, 8, 4] if promoted else [4, 4])
