@@ -38,7 +38,8 @@ HALF_MIN, HALF_MAX = 2.0 ** -14, 65504.0
 """Scales whose magnitude lies in FP16's normal range are rounded to FP16 by every quantizer (``half_exact``) and
 stored as FP16 with a Cast the session folds at load (same kernel, same speed: a prepacked MatMulNBits reads the
 folded FP32 scales): group 32 costs 4.5 bits per weight instead of 5. A weight with any scale outside the range
-keeps FP32 scales."""
+keeps FP32 scales, and so does the asym grid: all-MiniLM-L6-v2 INT4 (asym, GPTQ) measured min sentence cosine
+0.9848 with FP32 scales and 0.9744 with FP16 ones (200 held-out sentences, one compile each), mean 0.9926 both."""
 GRIDS = ("signed", "positive", "asym")
 """signed: symmetric, the block's largest-magnitude weight exact at the most negative code (scale carries the
 sign; ONNX Runtime's RTN grid). positive: symmetric with a positive scale, the smallest that keeps both
@@ -204,7 +205,8 @@ def _rtn(w: np.ndarray, bits: int, block_size: int, grid: str) -> Quantized:
         safe = np.where(scale == 0, 1.0, scale)
         zeros = np.clip(np.rint(-lo / safe), 0, top).astype(np.uint8)
         zero = zeros.astype(np.float64)[..., None]
-    scale = half_exact(np.where(scale == 0, 1.0, scale))  # an all-zero block stays exactly zero
+    scale = np.where(scale == 0, 1.0, scale)  # an all-zero block stays exactly zero
+    scale = scale if grid == "asym" else half_exact(scale)  # asym keeps FP32 scales (HALF_MIN)
     codes = np.clip(np.rint(wt / scale[..., None]) + zero, 0, top).astype(np.uint8)
     return Quantized(codes, scale.astype(np.float32), zeros, bits, block_size, k)
 

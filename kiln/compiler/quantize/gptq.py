@@ -104,7 +104,7 @@ def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
 
     scale, zero = params(torch.ones(w.shape[0], dtype=w.dtype))
     if not mse:
-        return half_exact(scale), zero
+        return (scale if grid == "asym" else half_exact(scale)), zero
     best = _qerror(w, scale, zero, top)
     for p in np.linspace(0.98, 0.80, 10):
         s, z = params(torch.full((w.shape[0],), float(p), dtype=w.dtype))
@@ -113,7 +113,7 @@ def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
         if better.any():
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
-    return half_exact(scale), zero
+    return (scale if grid == "asym" else half_exact(scale)), zero
 
 
 def half_exact(scale: Any) -> Any:
