@@ -205,14 +205,15 @@ def _rtn(w: np.ndarray, bits: int, block_size: int, grid: str) -> Quantized:
         safe = np.where(scale == 0, 1.0, scale)
         zeros = np.clip(np.rint(-lo / safe), 0, top).astype(np.uint8)
         zero = zeros.astype(np.float64)[..., None]
-    scale = np.where(scale == 0, 1.0, scale)  # an all-zero block stays exactly zero
-    scale = scale if grid == "asym" else half_exact(scale)  # asym keeps FP32 scales (HALF_MIN)
+    scale = half_exact(np.where(scale == 0, 1.0, scale), grid)  # an all-zero block stays exactly zero
     codes = np.clip(np.rint(wt / scale[..., None]) + zero, 0, top).astype(np.uint8)
     return Quantized(codes, scale.astype(np.float32), zeros, bits, block_size, k)
 
 
-def half_exact(scale: np.ndarray) -> np.ndarray:
-    """``scale`` rounded to FP16 where FP16 holds it as a normal number (``HALF_MIN``)."""
+def half_exact(scale: np.ndarray, grid: str) -> np.ndarray:
+    """``scale`` rounded to FP16 where FP16 holds it as a normal number (``HALF_MIN``); the asym grid's unchanged."""
+    if grid == "asym":
+        return scale
     half = scale.astype(np.float16).astype(scale.dtype)
     return np.where((np.abs(scale) >= HALF_MIN) & (np.abs(scale) <= HALF_MAX), half, scale)
 

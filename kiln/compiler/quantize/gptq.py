@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.passes.quantize_nbits import HALF_MAX, HALF_MIN, Codebook, Quantized
+from kiln.passes.quantize_nbits import Codebook, Quantized, half_exact
 
 Progress = Callable[[str], None]
 LAZY_BLOCK = 128
@@ -104,7 +104,7 @@ def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
 
     scale, zero = params(torch.ones(w.shape[0], dtype=w.dtype))
     if not mse:
-        return (scale if grid == "asym" else half_exact(scale)), zero
+        return _half_exact(scale, grid), zero
     best = _qerror(w, scale, zero, top)
     for p in np.linspace(0.98, 0.80, 10):
         s, z = params(torch.full((w.shape[0],), float(p), dtype=w.dtype))
@@ -113,16 +113,15 @@ def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
         if better.any():
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
-    return (scale if grid == "asym" else half_exact(scale)), zero
+    return _half_exact(scale, grid), zero
 
 
-def half_exact(scale: Any) -> Any:
-    """Scales rounded to FP16 where FP16 holds them as normal numbers (the pass then stores them in half the bytes,
-    ``kiln.passes.quantize_nbits.HALF_SCALES``); codes are computed with the rounded scales, so they stay exact."""
+def _half_exact(scale: Any, grid: str) -> Any:
+    """The pass's ``half_exact`` on a torch row of scales (the pass then stores them in half the bytes,
+    ``kiln.passes.quantize_nbits.HALF_MIN``); codes are computed with the rounded scales, so they stay exact."""
     import torch
 
-    half = scale.to(torch.float16).to(scale.dtype)
-    return torch.where((scale.abs() >= HALF_MIN) & (scale.abs() <= HALF_MAX), half, scale)
+    return torch.from_numpy(half_exact(scale.numpy(), grid))
 
 
 def _codes(w: Any, scale: Any, zero: Any, top: int) -> Any:
