@@ -181,6 +181,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=bo.rounds, help="alternating rounds the budget is split into")
     b.add_argument("--threads", type=int, default=bo.threads)
     b.add_argument("--backend", default=bo.backend, help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda | onnxruntime-tensorrt")
+    b.add_argument("--concurrent", type=int, nargs="+", default=list(bo.concurrent), metavar="N",
+                   help="decoders: drive N concurrent synthetic requests through continuous batching (for each N; "
+                   "prompts of each --seq-len) instead of the batch timings")
+    b.add_argument("--new-tokens", type=int, default=bo.new_tokens, help="with --concurrent: tokens per request")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
@@ -206,7 +210,13 @@ def _parser() -> argparse.ArgumentParser:
     tri.add_argument("artifact")
     tri.add_argument("-o", "--output", required=True, help="the model repository directory (created if missing)")
     tri.add_argument("--name", help="the model's name in the repository (default: the artifact directory's)")
-    tri.add_argument("--max-batch", type=int, default=32, help="encoders: Triton's max_batch_size (0: no batching)")
+    tri.add_argument("--max-batch", type=int, default=None,
+                     help="encoders: Triton's max_batch_size (default 32; 0: no batching); decoders: requests decoded "
+                     "together by the generation model (default 8)")
+    tri.add_argument("--queue", type=int, default=64, help="decoders: requests that may wait for a decode slot")
+    tri.add_argument("--graph-only", action="store_true",
+                     help="decoders: the bare graph on Triton's ONNX Runtime backend (whole-sequence requests) "
+                     "instead of the streaming generation model")
     tri.add_argument("--max-wait-ms", type=float, default=5.0, help="encoders: dynamic batching's queue delay")
     tri.add_argument("--instances", type=int, default=1, help="model instances (instance_group count)")
     tri.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="instance_group kind")
@@ -222,8 +232,14 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("artifact")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-batch", type=int, default=32,
-                     help="encoders: texts per dynamic batch (1: no batching); decoders: requests generating at once")
+    srv.add_argument("--max-batch", type=int, default=None,
+                     help="encoders: texts per dynamic batch (default 32; 1: no batching); decoders: requests decoded "
+                     "together, each in its own KV-cache slot (default 8)")
+    srv.add_argument("--queue", type=int, default=64,
+                     help="decoders: requests that may wait for a slot; past it, 429 with Retry-After")
+    srv.add_argument("--decode", default="batched", choices=("batched", "threads"),
+                     help="decoders: batched (continuous batching: one decode step for every active request) or "
+                     "threads (each request on its own thread at batch 1)")
     srv.add_argument("--max-wait-ms", type=float, default=5.0,
                      help="encoders: how long the first request of a batch waits for others")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
@@ -385,7 +401,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kiln.evaluate.options import BenchOptions
 
     opts = BenchOptions(tuple(args.batch_size), tuple(args.seq_len), args.budget_seconds, args.rounds, args.threads,
-                        args.backend)
+                        args.backend, tuple(args.concurrent), args.new_tokens)
     result = bench(args.artifact, args.eager, args.compare, opts, progress=_Progress(args.quiet))
     print(table(result))
     if args.json:
@@ -494,10 +510,20 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kiln.serve.triton import export
+    from kiln.runtimes.artifact import read_manifest
+    from kiln.serve.triton import export, generates
 
-    out = export(args.artifact, args.output, name=args.name, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                 instances=args.instances, device=args.device, threads=args.threads, force=args.force)
+    manifest = read_manifest(args.artifact)
+    decoder = manifest.kind == "decoder"
+    max_batch = args.max_batch if args.max_batch is not None else 8 if decoder else 32
+    out = export(args.artifact, args.output, name=args.name, max_batch=max_batch, max_wait_ms=args.max_wait_ms,
+                 instances=args.instances, device=args.device, threads=args.threads, force=args.force,
+                 graph_only=args.graph_only, queue=args.queue)
+    if decoder and not args.graph_only:
+        why = generates(manifest)
+        print(f"kiln export triton: the bare graph, not the generation model: {why}" if why else
+              f"kiln export triton: a streaming generation model (Python backend, decoupled, {max_batch} slots)",
+              file=sys.stderr)
     print(out)
     return 0
 
@@ -511,9 +537,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port; give 1-65535")
-    app = create_app(args.artifact, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, threads=args.threads)
-    print(f"kiln serve: {args.artifact} on http://{args.host}:{args.port} (max batch {args.max_batch}, max wait "
-          f"{args.max_wait_ms:g} ms)", file=sys.stderr, flush=True)
+    app = create_app(args.artifact, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, threads=args.threads,
+                     queue=args.queue, decode=args.decode)
+    print(f"kiln serve: {args.artifact} on http://{args.host}:{args.port} (max batch {args.max_batch or 'default'}, "
+          f"max wait {args.max_wait_ms:g} ms, queue {args.queue})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 

@@ -403,8 +403,12 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
         cache = next((p["name"] for p in record if p["name"] in ("kv-cache", "kv-cache-concat")
                       and p["stats"].get("layers")), None)
         if cache:
+            stats = next(p["stats"] for p in record if p["name"] == cache)
+            rows = ("the TensorRT graph's Concat cache has one length for every row" if cache != "kv-cache" else
+                    "learned position embeddings read each position from the mask" if stats.get("sliced_positions")
+                    else None)
             manifest_lib.add_kv_cache(data, ckpt, facts, options, shared_buffer=cache == "kv-cache",
-                                      dtype=cache_dtype(root / GRAPH))
+                                      dtype=cache_dtype(root / GRAPH), row_lengths_refused=rows)
         if any(p["name"] == "logits-to-keep" and p["stats"].get("sliced") for p in record):
             from kiln.passes.logits_to_keep import INPUT
 

@@ -85,10 +85,11 @@ def kv_names(layers: int) -> dict[str, list[str]]:
 
 
 def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
-                 shared_buffer: bool = True, dtype: str = "float32") -> None:
+                 shared_buffer: bool = True, dtype: str = "float32", row_lengths_refused: str | None = None) -> None:
     """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop.
     ``shared_buffer``: GroupQueryAttention's in-place cache (CPU); False for the TensorRT graph's Concat cache, whose
-    present is the past plus the new positions (a runtime feeds it back as the next past)."""
+    present is the past plus the new positions (a runtime feeds it back as the next past). ``row_lengths_refused``:
+    why rows of one batch cannot each have their own past length (continuous batching), None when they can."""
     capacity = options.max_length or ckpt.max_length
     if capacity > ckpt.max_length:
         raise UsageError(f"--max-length {capacity} exceeds the model's maximum sequence length {ckpt.max_length}; "
@@ -108,7 +109,11 @@ def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, opti
         # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime
         # may bind one buffer of `capacity` positions as both past and present and never copy the cache.
         "shared_buffer": shared_buffer,
+        # each row's past length is the index of its last 1 in a right-padded mask (kiln.runtimes.scheduler)
+        "row_lengths": row_lengths_refused is None,
     }
+    if row_lengths_refused:
+        data["kv_cache"]["row_lengths_refused"] = row_lengths_refused
     data["generation"] = generation_defaults(ckpt)
 
 

@@ -125,6 +125,8 @@ def _bench(artifact: str | Path, eager: str | Path | None, compare: str | Path |
     capacity = model.manifest.data.get("kv_cache", {}).get("capacity", limit)
     vocab = int(model.manifest.data["model"].get("vocab_size") or 1000)
     seq2seq = model.manifest.data["model"]["kind"] == "seq2seq"
+    if o.concurrent and (not decoder or seq2seq):
+        raise UsageError(f"--concurrent drives generation requests: {artifact} is not a decoder-only artifact")
     if seq2seq and capacity <= DECODE_TOKENS:
         raise UsageError(f"{artifact}'s decoder cache holds {capacity} positions; bench needs {DECODE_TOKENS + 1}: "
                          f"recompile with a larger --max-length")
@@ -137,7 +139,7 @@ def _bench(artifact: str | Path, eager: str | Path | None, compare: str | Path |
                          "give a shorter length")
     rng = np.random.default_rng(0)
     results = []
-    for batch in batch_sizes:
+    for batch in batch_sizes if not o.concurrent else []:
         for seq in seq_lens:
             ids = rng.integers(min(5, vocab - 1), vocab, size=(batch, seq), dtype=np.int64)
             mask = np.ones_like(ids)
@@ -177,7 +179,46 @@ def _bench(artifact: str | Path, eager: str | Path | None, compare: str | Path |
             "artifact_size_mb": main_system.size_bytes / 2**20,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if sys.platform != "darwin"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "results": results}
+            "results": results,
+            **({"concurrent": concurrent(model, o.concurrent, seq_lens, o.new_tokens, vocab, say)} if o.concurrent
+               else {})}
+
+
+def concurrent(model: kr.Model, clients: tuple[int, ...], seq_lens: list[int], new_tokens: int, vocab: int,
+               say: Progress) -> list[dict[str, Any]]:
+    """N synthetic requests at once through continuous batching (``kiln.runtimes.scheduler``), for each N: random
+    prompts of each ``seq_lens`` length, ``new_tokens`` greedy tokens each (no stop token). Aggregate generated
+    tokens/s over the wall time, time to first token and inter-token latency percentiles, mean decode batch."""
+    from kiln.runtimes.scheduler import Scheduler
+
+    if min(clients) < 1 or new_tokens < 1:
+        raise UsageError("--concurrent takes positive client counts and --new-tokens at least 1")
+    rng = np.random.default_rng(0)
+    out = []
+    with Scheduler(model, slots=max(clients), queue_limit=max(clients),
+                   positions=max(seq_lens) + new_tokens) as s:
+        s.submit(rng.integers(min(5, vocab - 1), vocab, seq_lens[0]).tolist(), max_new_tokens=4,
+                 stop_token_ids=[]).result()  # warm-up
+        for seq in seq_lens:
+            for n in clients:
+                say(f"bench: {n} concurrent requests, prompt {seq}, {new_tokens} new tokens each")
+                st = s.stats
+                st.ttft, st.itl, st.batch_sizes = [], [], []
+                t = time.perf_counter()
+                streams = [s.submit(rng.integers(min(5, vocab - 1), vocab, seq).tolist(), max_new_tokens=new_tokens,
+                                    stop_token_ids=[]) for _ in range(n)]
+                tokens = sum(len(x.result()) for x in streams)
+                wall = time.perf_counter() - t
+                pc = lambda v, q: 1e3 * float(np.percentile(v, q)) if v else None  # noqa: E731
+                out.append({"clients": n, "seq_len": seq, "new_tokens": new_tokens, "tokens": tokens, "wall_s": wall,
+                            "tokens_per_s": tokens / wall, "ttft_p50_ms": pc(st.ttft, 50),
+                            "ttft_p99_ms": pc(st.ttft, 99), "itl_p50_ms": pc(st.itl, 50), "itl_p99_ms": pc(st.itl, 99),
+                            "mean_decode_batch": float(np.mean(st.batch_sizes)) if st.batch_sizes else None})
+    one = next((r["tokens_per_s"] for r in out if r["clients"] == 1), None)
+    for r in out:
+        if one:
+            r["vs_one_client"] = r["tokens_per_s"] / one
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -187,6 +228,17 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{result['artifact']} ({result['kind']}, {result['precision']}): {result['artifact_size_mb']:.1f} MB on disk, "
              f"peak RSS {result['peak_rss_mb']:.0f} MB, backend {(result.get('backend') or {}).get('name', 'onnxruntime-cpu')}"]
     lines += [f"  {role}: {result[role]}" for role in ("compare", "eager") if result.get(role)]
+    if result.get("concurrent"):
+        lines.append(f"{'clients':>7} {'prompt':>6} {'new':>4} {'tok/s':>8} {'vs 1':>6} {'TTFT p50':>9} "
+                     f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'decode batch':>12}")
+        for r in result["concurrent"]:
+            f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+            vs = f"{r['vs_one_client']:.2f}x" if "vs_one_client" in r else "-"
+            lines.append(f"{r['clients']:>7} {r['seq_len']:>6} {r['new_tokens']:>4} {r['tokens_per_s']:>8.1f} {vs:>6} "
+                         f"{f(r['ttft_p50_ms']):>9} {f(r['ttft_p99_ms']):>9} {f(r['itl_p50_ms']):>8} "
+                         f"{f(r['itl_p99_ms']):>8} {f(r['mean_decode_batch']):>12}")
+        lines.append("(latencies in ms)")
+        return "\n".join(lines)
     lines.append(head)
     for e in result["results"]:
         first = next(iter(e["systems"].values()))

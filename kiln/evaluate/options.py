@@ -15,6 +15,10 @@ class BenchOptions:
     threads: int | None = None
     backend: str = "onnxruntime"
     """kiln.runtimes.BACKENDS; ``auto`` picks one and the result records which and why."""
+    concurrent: tuple[int, ...] = ()
+    """Decoders: also drive N concurrent synthetic requests through continuous batching, for each N."""
+    new_tokens: int = 64
+    """Tokens each concurrent request generates."""
 
 
 @dataclass(frozen=True)

@@ -545,20 +545,28 @@ class FuseGroupQueryAttention(Pass):
         return t["bias"]
 
     def _lengths(self, g: Graph, new: list, shared: dict[str, str]) -> tuple[str, str]:
-        """seqlens_k (B,) = T - 1 for every row (padding is in the bias) and total_sequence_length T."""
+        """seqlens_k (B,): each row's index of its last 1 in the mask, and total_sequence_length T. A left-padded
+        batch has T - 1 in every row (its padding is in the bias); a right-padded row (continuous batching,
+        ``kiln.runtimes.scheduler``) gets its own past length, where the kernel writes its new token and from which
+        it takes the row's rotary position."""
         if "total" in shared:
             return shared["seqlens"], shared["total"]
-        batch = self._shape_of(g, new, self.mask_input, 0, 1, shared)
         length = self._shape_of(g, new, self.mask_input, 1, 2, shared)
-        one = g.add_initializer("len_one", np.array(1, np.int64))
-        empty = g.add_initializer("len_scalar", np.array([], np.int64))
-        t = {k: g.fresh(f"len_{k}") for k in ("total64", "total", "last", "last32", "seqlens")}
+        c = {k: g.add_initializer(k, v) for k, v in (
+            ("len_zero", np.array(0, np.int64)), ("len_one", np.array(1, np.int64)),
+            ("len_scalar", np.array([], np.int64)), ("len_axes", np.array([1], np.int64)))}
+        t = {k: g.fresh(f"len_{k}") for k in ("total64", "total", "steps", "where", "last", "seqlens")}
+        opset = next((o.version for o in g.model.opset_import if o.domain in ("", "ai.onnx")), 18)
+        axes = {"inputs": [t["where"], c["len_axes"]]} if opset >= 18 else {"inputs": [t["where"]], "axes": [1]}
         new += [
-            helper.make_node("Reshape", [length, empty], [t["total64"]], name=g.fresh("TotalLength")),
+            helper.make_node("Reshape", [length, c["len_scalar"]], [t["total64"]], name=g.fresh("TotalLength")),
             helper.make_node("Cast", [t["total64"]], [t["total"]], to=TensorProto.INT32, name=g.fresh("TotalCast")),
-            helper.make_node("Sub", [t["total64"], one], [t["last"]], name=g.fresh("LastIndex")),
-            helper.make_node("Cast", [t["last"]], [t["last32"]], to=TensorProto.INT32, name=g.fresh("LastCast")),
-            helper.make_node("Expand", [t["last32"], batch], [t["seqlens"]], name=g.fresh("SeqLens")),
+            helper.make_node("Range", [c["len_zero"], t["total64"], c["len_one"]], [t["steps"]],
+                             name=g.fresh("Positions")),
+            helper.make_node("Mul", [self.mask_input, t["steps"]], [t["where"]], name=g.fresh("RealPositions")),
+            helper.make_node("ReduceMax", axes.pop("inputs"), [t["last"]], keepdims=0, name=g.fresh("LastReal"),
+                             **axes),
+            helper.make_node("Cast", [t["last"]], [t["seqlens"]], to=TensorProto.INT32, name=g.fresh("SeqLens")),
         ]
         shared.update(seqlens=t["seqlens"], total=t["total"])
         return t["seqlens"], t["total"]

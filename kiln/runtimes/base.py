@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from kiln.errors import InputError
+from kiln.errors import ArtifactError, InputError
 from kiln.runtimes.artifact import Manifest, TensorSpec
 
 _KINDS = {"int64": "i", "int32": "i", "float32": "f", "float16": "f", "bool": "b"}
@@ -71,6 +72,13 @@ class Runtime(abc.ABC):
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
         """A step runner for an encoder-decoder's decoder graph given the encoder's cross keys/values."""
         return Seq2SeqRunner(self, kv, cross, mask)
+
+    def slot_cache(self, kv: dict, slots: int, positions: int) -> Any:
+        """The per-request rows of continuous batching (``kiln.runtimes.scheduler``): a backend whose cache is one
+        buffer written in place at each row's own position (ONNX Runtime's GroupQueryAttention)."""
+        raise ArtifactError(f"backend {self.name or type(self).__name__} keeps a growing (Concat) KV cache whose rows "
+                            "share one length; continuous batching needs ONNX Runtime's in-place cache (backend "
+                            "onnxruntime-cpu) and a CPU-compiled artifact")
 
     @abc.abstractmethod
     def load(self, manifest: Manifest, graph: str = "model") -> None: ...

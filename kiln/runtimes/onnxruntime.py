@@ -86,6 +86,11 @@ class OnnxRuntime(Runtime):
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
         return BoundSeq2SeqCache(self.session, kv, cross, mask)
 
+    def slot_cache(self, kv: dict, slots: int, positions: int) -> SlotCache:
+        if not kv.get("shared_buffer", True):
+            return super().slot_cache(kv, slots, positions)
+        return SlotCache(self, kv, slots, positions)
+
 
 BUCKET_MIN = 64
 """Smallest KV buffer a request gets (positions); larger requests round up to the next power of two."""
@@ -205,6 +210,68 @@ class SharedBufferCache(CacheRunner):
             self.binding = None
             self.runtime.pool.give(self.shape, self.arrays)
             self.arrays = {}
+
+
+class SlotCache:
+    """The KV cache of continuous batching (``kiln.runtimes.scheduler``): one (slots, kv heads, positions, head size)
+    buffer per layer and key/value, a request per row. ``prefill`` binds row ``slot`` alone (a batch-1 view of the
+    same memory: the request's cache and logits are those of the request served alone); ``decode`` binds rows
+    ``[0, n)`` and feeds a right-padded mask whose last 1 in each row is where that row's new token goes (the graph
+    takes each row's past length from it). Bindings are made once per slot and per row count, then reused."""
+
+    def __init__(self, runtime: OnnxRuntime, kv: dict, slots: int, positions: int) -> None:
+        self.runtime = runtime
+        self.kv = kv
+        self.shape = (slots, int(kv["num_kv_heads"]), positions, int(kv["head_size"]))
+        self.arrays = {name: np.zeros(self.shape, np.float32) for name in kv["past"]}
+        session = runtime.session
+        self.vocab = int(next(o.shape[-1] for o in session.get_outputs() if o.name == "logits"))
+        self._one = np.array(1, np.int64)
+        self._rows: dict[int, tuple[ort.IOBinding, list]] = {}
+        self._batches: dict[int, tuple[ort.IOBinding, list]] = {}
+        self._keep: list[np.ndarray] = []
+
+    def _binding(self, lo: int, hi: int) -> tuple[ort.IOBinding, list]:
+        binding = self.runtime.session.io_binding()
+        values = []
+        for past, present in zip(self.kv["past"], self.kv["present"]):
+            view = self.arrays[past][lo:hi]  # leading-axis slice of a C-contiguous array: contiguous, same memory
+            value = ort.OrtValue.ortvalue_from_numpy(view)
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+            values.append(value)
+        if self.kv.get("logits_to_keep"):
+            binding.bind_cpu_input(self.kv["logits_to_keep"], self._one)
+        return binding, values
+
+    def _run(self, binding: ort.IOBinding, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        logits = np.empty((ids.shape[0], 1 if self.kv.get("logits_to_keep") else ids.shape[1], self.vocab), np.float32)
+        self._keep = [ids, mask]  # bound by pointer: must outlive the run
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        _run_bound(self.runtime.session, binding)
+        return logits[:, -1]
+
+    def prefill(self, slot: int, ids: np.ndarray) -> np.ndarray:
+        """The prompt (n,) into row ``slot`` from position 0; the last position's logits (vocab,)."""
+        if slot not in self._rows:
+            self._rows[slot] = self._binding(slot, slot + 1)
+        ids = np.ascontiguousarray(ids, np.int64)[None]
+        return self._run(self._rows[slot][0], ids, np.ones_like(ids))[0]
+
+    def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """One new token per row of rows ``[0, n)``, written at position ``lengths[row]`` of that row's cache (an idle
+        row: token 0 at position 0, never read back); logits (n, vocab)."""
+        n = len(tokens)
+        if n not in self._batches:
+            self._batches[n] = self._binding(0, n)
+        lengths = np.asarray(lengths, np.int64)
+        mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
+        return self._run(self._batches[n][0], np.ascontiguousarray(tokens, np.int64)[:, None], mask)
+
+    def close(self) -> None:
+        self._rows, self._batches, self.arrays = {}, {}, {}
 
 
 REDUCED_NAMES = {"fp16": "float16", "bf16": "bfloat16"}

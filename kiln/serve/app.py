@@ -5,18 +5,23 @@
   texts), regroups the texts by length (padding within ``PAD_SLACK`` of the real tokens), runs each group and
   splits the results back; while a batch runs, the next one collects. ``max_batch=1``: no batching.
 - Decoders: ``POST /v1/completions`` and ``/v1/chat/completions`` (the artifact's chat template), with
-  ``stream: true`` as server-sent events. Each request generates on its own worker thread (at most
-  ``max_batch`` at once, the rest queue), so concurrent requests never wait on each other's tokens; one
-  loaded model serves them all (``kiln.runtimes`` is safe under threads: pooled KV buffers per call).
+  ``stream: true`` as server-sent events. Continuous batching (``kiln.runtimes.scheduler``): requests join and
+  leave between decode steps and one decode step runs up to ``max_batch`` of them as one batch, each in its own
+  KV-cache slot; up to ``queue`` more wait for a slot, past that 429 with Retry-After. A client that goes away
+  frees its slot at the next step. Artifacts whose graph cannot give each row its own past length (GPT-2's learned
+  positions, older artifacts) and encoder-decoders generate each request on its own thread instead.
 - ``GET /health``, ``GET /metrics`` (Prometheus text).
 Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for a bad request (including a prompt past the
-KV-cache capacity, with kiln's message), 404 for an endpoint this artifact's kind does not serve.
+KV-cache capacity, with kiln's message), 404 for an endpoint this artifact's kind does not serve, 429 when the
+generation queue is full.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import threading
 import time
 import uuid
@@ -27,7 +32,8 @@ from typing import Any
 
 
 import kiln.runtimes as kr
-from kiln.errors import ClosedError, InputError, KilnError, UsageError
+from kiln.errors import ArtifactError, ClosedError, InputError, KilnError, UsageError
+from kiln.runtimes.scheduler import QueueFull, Scheduler
 from kiln.serve.batching import EncoderBatcher
 from kiln.serve.metrics import Metrics
 
@@ -73,18 +79,48 @@ def field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], defaul
     return value
 
 
+log = logging.getLogger("kiln.serve")
+
+DEFAULT_SLOTS = 8
+"""Decoders: requests decoded together (KV-cache slots of continuous batching) when --max-batch is not given."""
+DEFAULT_QUEUE = 64
+"""Decoders: requests that may wait for a slot; past it, 429 with Retry-After."""
+DECODE_MODES = ("batched", "threads")
+"""Decoders: continuous batching, or each request generating on its own thread at batch 1 (kiln before it)."""
+
+
 class Server:
-    def __init__(self, model: kr.Model, max_batch: int = 32, max_wait_ms: float = 5.0) -> None:
-        if max_batch < 1 or max_wait_ms < 0:
-            raise UsageError(f"--max-batch {max_batch} / --max-wait-ms {max_wait_ms:g}: give at least 1 and at least 0")
-        self.model, self.max_batch = model, max_batch
-        self.metrics = Metrics()
+    def __init__(self, model: kr.Model, max_batch: int | None = None, max_wait_ms: float = 5.0,
+                 queue: int = DEFAULT_QUEUE, decode: str = "batched") -> None:
         m = model.manifest.data["model"]
         self.kind, self.task = m["kind"], m["task"]
+        max_batch = max_batch if max_batch is not None else DEFAULT_SLOTS if self.kind == "decoder" else 32
+        if decode not in DECODE_MODES:
+            raise UsageError(f"--decode {decode!r}: choose one of {', '.join(DECODE_MODES)}")
+        if max_batch < 1 or max_wait_ms < 0 or queue < 0:
+            raise UsageError(f"--max-batch {max_batch} / --max-wait-ms {max_wait_ms:g} / --queue {queue}: give at "
+                             "least 1, at least 0 and at least 0")
+        self.model, self.max_batch = model, max_batch
+        self.metrics = Metrics()
         self.name = str(m.get("architecture") or model.manifest.root.name)
         self.batcher = EncoderBatcher(model, max_batch, max_wait_ms, self.metrics) if self.kind == "encoder" else None
-        self.workers = ThreadPoolExecutor(max_batch, thread_name_prefix="kiln-gen") if self.kind != "encoder" else None
         self.generates = self.kind == "decoder" and bool(model.manifest.data.get("kv_cache")) or self.kind == "seq2seq"
+        batched = self.kind == "decoder" and self.generates and decode == "batched"
+        self.scheduler = self._scheduler(model, max_batch, queue) if batched else None
+        threads = max_batch + queue + 1 if self.scheduler else max_batch  # a scheduler's waiting requests block here
+        self.workers = ThreadPoolExecutor(threads, thread_name_prefix="kiln-gen") if self.kind != "encoder" else None
+
+    def _scheduler(self, model: kr.Model, slots: int, queue: int) -> Scheduler | None:
+        """Continuous batching where the artifact allows it; otherwise each request generates on its own thread
+        (the reason logged)."""
+        try:
+            scheduler = Scheduler(model, slots=slots, queue_limit=queue)
+        except ArtifactError as e:
+            log.warning("kiln serve: requests generate one at a time per thread: %s", e)
+            return None
+        scheduler.stats.hooks.append(self.metrics.generated)
+        self.metrics.generation_queue = lambda: scheduler.stats.queue_depth
+        return scheduler
 
     # --- plumbing ----------------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -102,6 +138,8 @@ class Server:
         yield
         if self.batcher is not None:
             await self.batcher.stop()
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.workers is not None:
             self.workers.shutdown(wait=False, cancel_futures=True)
 
@@ -113,6 +151,9 @@ class Server:
                 response = await handler(request)
             except BadRequest as e:
                 response = error(str(e), e.status, e.code)
+            except QueueFull as e:  # every slot busy and the queue at its bound: come back later
+                response = error(str(e), 429, "queue_full")
+                response.headers["Retry-After"] = str(math.ceil(e.retry_after))
             except ClosedError as e:
                 response = error(str(e), 503, "closed")
             except KilnError as e:  # InputError (lengths, capacity, sampling): the caller's to fix
@@ -211,7 +252,8 @@ class Server:
     async def _generate(self, prompt: str, sampling: dict[str, Any], stream: bool, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
         info: dict[str, Any] = {}
-        chunks = self.model.stream(prompt, chat=chat, info=info, **sampling)
+        source = self.scheduler or self.model
+        chunks = source.stream(prompt, chat=chat, info=info, **sampling)
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancelled = threading.Event()
 
@@ -289,7 +331,8 @@ def usage(info: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def create_app(artifact: Any, max_batch: int = 32, max_wait_ms: float = 5.0, threads: int | None = None) -> Starlette:
+def create_app(artifact: Any, max_batch: int | None = None, max_wait_ms: float = 5.0, threads: int | None = None,
+               queue: int = DEFAULT_QUEUE, decode: str = "batched") -> Starlette:
     """An ASGI app serving ``artifact`` (a path, or an already loaded ``kiln.runtimes.Model``)."""
     # ONNX Runtime's own thread settings (its pool spins briefly between runs): measured with tools/load_serve.py,
     # spinning off cost the batching server 5-10% (395 vs 432 req/s) and the unbatched one as much
@@ -297,4 +340,4 @@ def create_app(artifact: Any, max_batch: int = 32, max_wait_ms: float = 5.0, thr
     if not model.manifest.tokenizer:
         raise UsageError(f"{model.manifest.root} ships no tokenizer; kiln serve takes text, so compile the artifact "
                          "from a checkpoint with one")
-    return Server(model, max_batch, max_wait_ms).app()
+    return Server(model, max_batch, max_wait_ms, queue, decode).app()

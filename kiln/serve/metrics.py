@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
 class Histogram:
@@ -40,6 +42,15 @@ class Metrics:
         self.batch = Histogram(BATCH_BUCKETS)
         self.queue_depth = 0
         self.in_flight = 0
+        # continuous batching (decoders): rows per decode step, time to first token, inter-token latency
+        self.generation = {"batch_size": Histogram(BATCH_BUCKETS), "ttft": Histogram(LATENCY_BUCKETS),
+                           "itl": Histogram(TOKEN_BUCKETS)}
+        self.generation_queue: Callable[[], int] | None = None
+
+    def generated(self, name: str, value: float) -> None:
+        """A scheduler observation (``kiln.runtimes.scheduler.Stats`` hook): batch_size, ttft or itl."""
+        with self.lock:
+            self.generation[name].observe(value)
 
     def request(self, endpoint: str, status: int, seconds: float) -> None:
         with self.lock:
@@ -66,4 +77,18 @@ class Metrics:
                       f"kiln_queue_depth {self.queue_depth}",
                       "# HELP kiln_in_flight Requests being served.", "# TYPE kiln_in_flight gauge",
                       f"kiln_in_flight {self.in_flight}"]
+            if self.generation_queue is not None:
+                g = self.generation
+                lines += ["# HELP kiln_decode_batch_size Requests decoded together per decode step (continuous "
+                          "batching).", "# TYPE kiln_decode_batch_size histogram",
+                          *g["batch_size"].lines("kiln_decode_batch_size"),
+                          "# HELP kiln_time_to_first_token_seconds From a request's arrival to its first token.",
+                          "# TYPE kiln_time_to_first_token_seconds histogram",
+                          *g["ttft"].lines("kiln_time_to_first_token_seconds"),
+                          "# HELP kiln_inter_token_latency_seconds Between two tokens of one request.",
+                          "# TYPE kiln_inter_token_latency_seconds histogram",
+                          *g["itl"].lines("kiln_inter_token_latency_seconds"),
+                          "# HELP kiln_generation_queue_depth Requests waiting for a decode slot.",
+                          "# TYPE kiln_generation_queue_depth gauge",
+                          f"kiln_generation_queue_depth {self.generation_queue()}"]
         return "\n".join(lines) + "\n"

@@ -5,11 +5,16 @@
     model_repository/<name>/kiln/             manifest.json and the tokenizer files, for clients
 
 Encoders get dynamic batching (``max_batch_size``, ``max_queue_delay_microseconds``; dims without the batch
-axis, ``-1`` for dynamic ones). Decoders are exported for whole-sequence requests with ``max_batch_size: 0``
-(full shapes): their KV-cache tensors carry a per-request past length, which Triton's dynamic batcher cannot
-concatenate (stateful decoding needs its sequence batcher and a backend that keeps the cache: serve those
-with ``kiln serve``). Encoder-decoders (two graphs) are refused. Written into a staging directory and renamed:
-never half a repository. Imports ``kiln.runtimes`` only.
+axis, ``-1`` for dynamic ones).
+
+Decoders whose graph gives each row its own past length get a generation model instead: Triton's Python backend
+in decoupled (streaming) mode running ``kiln.runtimes.scheduler`` (``kiln/serve/triton_python.py``, copied as
+``1/model.py``; the artifact in ``1/artifact``): a prompt string in, text pieces out, decode steps batched across
+requests (continuous batching; ``--max-batch`` slots, ``--queue`` waiting requests). ``graph_only`` (or a decoder
+without per-row lengths: GPT-2's learned positions, older artifacts) exports the bare graph for whole-sequence
+requests with ``max_batch_size: 0`` (full shapes): its KV-cache tensors carry a per-request past length, which
+Triton's dynamic batcher cannot concatenate. Encoder-decoders (two graphs) are refused. Written into a staging
+directory and renamed: never half a repository. Imports ``kiln.runtimes`` only.
 """
 
 from __future__ import annotations
@@ -74,9 +79,35 @@ def config(manifest: Manifest, name: str, max_batch: int, max_wait_ms: float, in
     return "\n".join(lines) + "\n"
 
 
+def generation_config(name: str, slots: int, queue: int, instances: int, threads: int | None) -> str:
+    """config.pbtxt of the decoupled Python-backend generation model."""
+    optional = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_p", "TYPE_FP32"),
+                ("top_k", "TYPE_INT32"), ("seed", "TYPE_INT64")]
+    params = {"slots": slots, "queue": queue, **({"threads": threads} if threads else {})}
+    lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0",
+             "model_transaction_policy { decoupled: true }",
+             "input [", ",\n".join(['  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }',
+                                     *(f'  {{ name: "{n}" data_type: {t} dims: [ 1 ] optional: true }}'
+                                       for n, t in optional)]), "]",
+             "output [", '  { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] }', "]",
+             f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]"]
+    lines += [f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items()]
+    return "\n".join(lines) + "\n"
+
+
+def generates(manifest: Manifest) -> str | None:
+    """Why this artifact gets the bare graph rather than the generation model (None: it gets the model)."""
+    kv = manifest.data.get("kv_cache")
+    if manifest.kind != "decoder" or not kv:
+        return "not a decoder with a KV cache"
+    if not kv.get("row_lengths"):
+        return kv.get("row_lengths_refused") or "compiled by an older kiln: recompile it for the generation model"
+    return None
+
+
 def export(artifact: str | Path, out: str | Path, name: str | None = None, max_batch: int = 32,
            max_wait_ms: float = 5.0, instances: int = 1, device: str = "cpu", threads: int | None = None,
-           force: bool = False) -> Path:
+           force: bool = False, graph_only: bool = False, queue: int = 64) -> Path:
     manifest = read_manifest(artifact)  # checksums first: never export a tampered artifact
     if manifest.kind == "seq2seq":
         raise UsageError(f"{artifact} is an encoder-decoder (two graphs); kiln export triton writes single-graph "
@@ -92,7 +123,12 @@ def export(artifact: str | Path, out: str | Path, name: str | None = None, max_b
         raise UsageError(f"{target} exists; pass --force to replace it or choose another -o / --name")
     if not out.parent.is_dir():
         raise UsageError(f"the parent directory of {out} does not exist; create it first")
-    text = config(manifest, name, max_batch, max_wait_ms, instances, device, threads)
+    python = manifest.kind == "decoder" and not graph_only and generates(manifest) is None
+    if python and (device != "cpu" or max_batch < 1):
+        raise UsageError("the decoder generation model runs kiln's scheduler on ONNX Runtime CPU: --device cpu and "
+                         "--max-batch >= 1 (its slots), or --graph-only for the bare graph")
+    text = (generation_config(name, max_batch, queue, instances, threads) if python else
+            config(manifest, name, max_batch, max_wait_ms, instances, device, threads))
     out.mkdir(exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.kiln-", dir=out))
     try:
@@ -100,8 +136,14 @@ def export(artifact: str | Path, out: str | Path, name: str | None = None, max_b
         version = staging / "1"
         version.mkdir()
         graph = manifest.graph_path()
+        if python:
+            shutil.copy2(Path(__file__).with_name("triton_python.py"), version / "model.py")
+            (version / "artifact").mkdir()
+            for rel in [MANIFEST, *manifest.data["files"]]:
+                (version / "artifact" / rel).parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(manifest.root / rel, version / "artifact" / rel)
         for f in manifest.root.iterdir():
-            if f.name.startswith(graph.name):  # the graph and its external data
+            if not python and f.name.startswith(graph.name):  # the graph and its external data
                 _link_or_copy(f, version / ("model.onnx" + f.name[len(graph.name):]))
         kiln_dir = staging / "kiln"
         kiln_dir.mkdir()

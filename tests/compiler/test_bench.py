@@ -98,3 +98,16 @@ def test_auto_backend_is_recorded(artifacts, tmp_path, capsys):
                  "--rounds", "1", "-q", "--backend", "auto", "--json", str(out)]) == 0
     b = json.loads(out.read_text())["backend"]
     assert b["name"] == "onnxruntime-cpu" and b["requested"] == "auto" and "tensorrt" in b["skipped"]
+
+
+def test_decoder_concurrent_requests_through_continuous_batching(artifacts, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(artifacts["llama"]), "--concurrent", "1", "4", "--seq-len", "8", "--new-tokens", "6",
+               "-q", "--json", str(out)])
+    assert rc == 0 and "TTFT p50" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["concurrent"]
+    assert [(r["clients"], r["tokens"]) for r in rows] == [(1, 6), (4, 24)]
+    assert rows[0]["mean_decode_batch"] == 1 and rows[1]["mean_decode_batch"] > 1  # four requests shared steps
+    assert rows[1]["vs_one_client"] > 0 and rows[1]["itl_p50_ms"] <= rows[1]["itl_p99_ms"]
+    assert main(["bench", str(artifacts["bert"]), "--concurrent", "2", "-q"]) == 2
+    assert "not a decoder-only artifact" in capsys.readouterr().err

@@ -103,6 +103,34 @@ def test_concurrent_streams_equal_each_request_served_alone(artifacts):
     assert together == alone
 
 
+def test_full_generation_queue_is_429_with_retry_after_and_metrics_show_the_batching(artifacts, monkeypatch):
+    """One slot, a queue of one: with a request running and one waiting, the next is refused with 429 and a
+    Retry-After (never an unbounded queue); /metrics shows decode batch sizes, TTFT, ITL and the queue depth."""
+    import time
+
+    from kiln.runtimes.onnxruntime import SlotCache
+    from kiln.serve.app import Server
+
+    decode = SlotCache.decode
+    monkeypatch.setattr(SlotCache, "decode", lambda self, t, n: (time.sleep(0.05), decode(self, t, n))[1])
+    server = Server(kr.load(artifacts["llama"], threads=1), max_batch=1, queue=1)
+    with TestClient(server.app()) as client:
+        ok = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0})
+        held = [server.scheduler.submit([5, 9, 17], max_new_tokens=100, stop_token_ids=[]) for _ in range(2)]
+        refused = client.post("/v1/completions", json={"prompt": "the dog", "max_tokens": 4})
+        for h in held:
+            h.cancel()
+        assert [h.result() is not None and h.finish_reason for h in held] == ["cancelled", "cancelled"]
+        metrics = client.get("/metrics").text
+    assert ok.status_code == 200
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full" and "retry later" in refused.json()["error"]["message"]
+    assert 'kiln_decode_batch_size_bucket{le="1"}' in metrics and "kiln_generation_queue_depth 0" in metrics
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if "_count" in line}
+    assert counts["kiln_time_to_first_token_seconds_count"] >= 1  # the 3-token request; the held ones maybe
+    assert counts["kiln_inter_token_latency_seconds_count"] >= 2
+
+
 def test_chat_uses_the_shipped_template(chat_decoder):
     messages = [{"role": "user", "content": "hello there"}]
     with kr.load(chat_decoder, threads=1) as m:

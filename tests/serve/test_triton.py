@@ -6,7 +6,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import sys
+import threading
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -53,7 +57,7 @@ def test_encoder_repository_batches_dynamically(artifacts, tmp_path):
 
 
 def test_decoder_repository_has_full_shapes_and_the_cache(artifacts, tmp_path):
-    assert main(["export", "triton", str(artifacts["llama"]), "-o", str(tmp_path / "repo")]) == 0
+    assert main(["export", "triton", str(artifacts["llama"]), "-o", str(tmp_path / "repo"), "--graph-only"]) == 0
     cfg, pb = parse(tmp_path / "repo" / "llama" / "config.pbtxt")
     assert cfg.max_batch_size == 0 and not cfg.HasField("dynamic_batching")
     names = [i.name for i in cfg.input]
@@ -74,3 +78,107 @@ def test_bad_exports_are_one_line_errors(artifacts, seq2seq_artifacts, tmp_path,
     assert main(["export", "triton", str(seq2seq_artifacts["t5"]), "-o", str(repo)]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
     assert sorted(p.name for p in repo.iterdir()) == ["bert"]  # no staging directory left behind
+
+
+class StandIn:
+    """``triton_python_backend_utils`` as far as kiln's model.py uses it: tensors, responses, senders that record
+    what they are sent (and can report a cancelled client)."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class TritonError(Exception):
+        pass
+
+    class TritonModelException(Exception):
+        pass
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, np.asarray(array)
+
+        def as_numpy(self):
+            return self.array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=(), error=None):
+            self.output_tensors, self.error = list(output_tensors), error
+
+    class Sender:
+        def __init__(self, cancel_after=None):
+            self.responses, self.flags, self.cancel_after = [], [], cancel_after
+            self.done = threading.Event()
+
+        def send(self, response=None, flags=0):
+            self.responses.append(response)
+            self.flags.append(flags)
+            if flags:
+                self.done.set()
+
+        def is_cancelled(self):
+            return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+        def text(self):
+            return "".join(r.output_tensors[0].as_numpy()[0].decode() for r in self.responses if r and r.output_tensors)
+
+    class Request:
+        def __init__(self, sender, **inputs):
+            self.sender, self.inputs = sender, inputs
+
+        def get_response_sender(self):
+            return self.sender
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        value = request.inputs.get(name)
+        return None if value is None else StandIn.Tensor(name, value)
+
+    @staticmethod
+    def using_decoupled_model_transaction_policy(config):
+        return bool(config.get("model_transaction_policy", {}).get("decoupled"))
+
+
+def test_decoder_generation_model_streams_through_the_scheduler(artifacts, tmp_path, monkeypatch, capsys):
+    """The Python-backend model, run against a stand-in for ``triton_python_backend_utils``: concurrent prompts
+    stream the same text as the runtime alone; a refused request is an error response; a cancelled client ends."""
+    from google.protobuf import json_format
+
+    import kiln.runtimes as kr
+
+    assert main(["export", "triton", str(artifacts["llama"]), "-o", str(tmp_path / "repo"), "--max-batch", "3",
+                 "--queue", "2", "--threads", "2"]) == 0
+    assert "streaming generation model" in capsys.readouterr().err
+    repo = tmp_path / "repo" / "llama"
+    cfg, pb = parse(repo / "config.pbtxt")
+    assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+    assert [(i.name, i.data_type, i.optional) for i in cfg.input][:2] == [
+        ("text_input", pb.TYPE_STRING, False), ("max_tokens", pb.TYPE_INT32, True)]
+    assert cfg.parameters["slots"].string_value == "3" and cfg.parameters["queue"].string_value == "2"
+    assert sha(repo / "1" / "artifact" / "model.onnx") == sha(artifacts["llama"] / "model.onnx")
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", StandIn)
+    spec = importlib.util.spec_from_file_location("kiln_triton_model", repo / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    config = json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+    model.initialize({"model_config": json.dumps(config), "model_repository": str(repo), "model_version": "1"})
+    prompts = ["def fibonacci(n):", "The cat sat", "Compilers rewrite graphs", "A quick brown fox", "Deployment"]
+    senders = [StandIn.Sender() for _ in prompts]
+    tokens = np.array([12], np.int32)
+    try:
+        model.execute([StandIn.Request(s, text_input=np.array([p.encode()], object), max_tokens=tokens,
+                                       temperature=np.array([0.0], np.float32)) for p, s in zip(prompts, senders)])
+        too_long = StandIn.Sender()
+        model.execute([StandIn.Request(too_long, text_input=np.array([b"x"], object),
+                                       max_tokens=np.array([100000], np.int32))])
+        cancelled = StandIn.Sender(cancel_after=1)
+        model.execute([StandIn.Request(cancelled, text_input=np.array([b"The cat"], object),
+                                       max_tokens=np.array([60], np.int32))])
+        for s in [*senders, cancelled]:
+            assert s.done.wait(120) and s.flags[-1] == 1
+    finally:
+        model.finalize()
+    assert too_long.flags == [1] and "KV-cache capacity" in str(too_long.responses[0].error)
+    assert len(cancelled.responses) < 60
+    with kr.load(artifacts["llama"], threads=2) as alone:
+        for p, s in zip(prompts, senders):
+            assert s.text() == "".join(alone.stream(p, max_new_tokens=12)), p
