@@ -4,7 +4,8 @@
     python tools/llama_cpp.py check                 # which binaries are there
 
 llama.cpp has no wheel on the package index; the ``llama-cpp-python`` sdist vendors its source, so ``build``
-downloads that sdist and builds ``llama-bench``, ``llama-perplexity`` and ``llama-quantize`` with cmake and ninja
+downloads that sdist and builds ``llama-bench``, ``llama-perplexity``, ``llama-quantize`` and ``llama-batched-bench``
+with cmake and ninja
 into ``~/.cache/kiln/llamacpp`` (``KILN_LLAMA_CPP`` overrides the directory).
 
 GGUFs: ``write_f32`` writes an F32 GGUF from a GGUF (every tensor dequantized, all metadata copied, optionally
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 SDIST = "llama-cpp-python==0.3.36"
-TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize")
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-batched-bench")
 
 
 def home() -> Path:

@@ -132,7 +132,7 @@ async def stream_one(client, prompt: str, tokens: int) -> tuple[str, float, bool
     t = last = time.perf_counter()
     text, ok, gaps = [], False, []
     async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                                                               "stream": True}) as r:
+                                                               "stream": True, "ignore_eos": True}) as r:
         if r.status_code != 200:
             return "", time.perf_counter() - t, False, gaps
         async for line in r.aiter_lines():
@@ -158,7 +158,7 @@ async def alone_all(url: str, prompts: list[str], tokens: int) -> dict[str, tupl
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for p in prompts:
             t = time.perf_counter()
-            payload = {"prompt": p, "max_tokens": tokens, "temperature": 0}
+            payload = {"prompt": p, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
             r = (await client.post("/v1/completions", json=payload)).json()
             out[p] = (r["choices"][0]["text"], r["usage"]["completion_tokens"], time.perf_counter() - t)
     return out
@@ -307,6 +307,8 @@ def smollm2_batching(args: argparse.Namespace, work: Path) -> None:
         if not gguf.is_file():
             print(f"{gguf} is missing: python tools/bench_int4.py writes it; kiln alone")
         rows = batched_decode(art, gguf, args.threads, (1, 4, 8), 32, 64) if gguf.is_file() else []
+        if any("llama.cpp" not in r for r in rows):
+            print(f"llama.cpp gave no S_TG rows for {gguf.name}")
         for r in rows:
             other = r.get("llama.cpp")
             print(f"{variant:<6} {fmt:<9} {r['parallel']:>9} {r['kiln']:>10.1f} "

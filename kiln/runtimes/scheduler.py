@@ -137,9 +137,17 @@ class Scheduler:
     """Continuous batching over a loaded decoder ``Model`` (ONNX Runtime, a shared-buffer KV cache with per-row
     lengths). ``slots``: requests decoded together; ``queue_limit``: requests that may wait for a slot (past it,
     ``submit`` raises ``QueueFull``); ``positions``: KV positions per slot (prompt + new tokens of one request; default
-    the artifact's capacity)."""
+    the artifact's capacity); ``min_rows``: rows every decode step runs (default 2 for INT8/INT4 artifacts, else 1).
 
-    def __init__(self, model: Any, slots: int = 8, queue_limit: int = 64, positions: int | None = None) -> None:
+    Why ``min_rows``: ONNX Runtime's MatMulNBits (accuracy level 4, int8 activations) computes one row (M = 1) with
+    another kernel than several rows, and the two quantize the activations differently: SmolLM2-135M INT4, one
+    decode step, logits of the same row differ by up to 6.8 between M = 1 and M = 2 (M = 2, 4, 8 agree bit for bit;
+    against FP32 activations M = 1 is off by 5.1, M = 2 by 3.6). A prefill is always M > 1, so decoding every step
+    with at least two rows (an idle one when a request is alone) keeps each request's tokens independent of what
+    else runs; FP32 graphs are bit-identical at any M and keep one row."""
+
+    def __init__(self, model: Any, slots: int = 8, queue_limit: int = 64, positions: int | None = None,
+                 min_rows: int | None = None) -> None:
         data = model.manifest.data
         kv = data.get("kv_cache")
         if not kv or data["model"]["task"] != "causal-lm" or "decoder" in model.runtimes:
@@ -153,6 +161,8 @@ class Scheduler:
             raise InputError(f"slots {slots} must be >= 1 and queue_limit {queue_limit} >= 0")
         self.model, self.kv = model, kv
         self.slots, self.queue_limit = slots, queue_limit
+        quantized = str(data.get("precision", "")).startswith(("int8", "int4"))
+        self.min_rows = min(slots, min_rows if min_rows is not None else 2 if quantized else 1)
         self.positions = min(int(positions or kv["capacity"]), int(kv["capacity"]))
         self.max_model = int(data["model"]["max_sequence_length"])
         gen = data.get("generation") or {}
@@ -304,7 +314,7 @@ class Scheduler:
         active = [i for i, r in enumerate(rows) if r is not None and r is not joining]
         if not active:
             return
-        high = active[-1] + 1
+        high = max(active[-1] + 1, self.min_rows)
         tokens = np.zeros(high, np.int64)
         lengths = np.zeros(high, np.int64)  # a free row: token 0 written at position 0, never read back
         for i, r in enumerate(rows[:high]):

@@ -231,6 +231,8 @@ class Server:
                "top_p": field(data, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
                "seed": field(data, "seed", int, None),
                "do_sample": temperature > 0, "temperature": float(temperature) if temperature > 0 else 1.0}
+        if field(data, "ignore_eos", bool, False):  # vLLM's extension: exactly max_tokens (benchmarks)
+            out["stop_token_ids"] = []
         return out
 
     async def completions(self, request: Request) -> Response:

@@ -115,14 +115,15 @@ def test_full_generation_queue_is_429_with_retry_after_and_metrics_show_the_batc
     monkeypatch.setattr(SlotCache, "decode", lambda self, t, n: (time.sleep(0.05), decode(self, t, n))[1])
     server = Server(kr.load(artifacts["llama"], threads=1), max_batch=1, queue=1)
     with TestClient(server.app()) as client:
-        ok = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0})
+        ok = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0,
+                                                   "ignore_eos": True})
         held = [server.scheduler.submit([5, 9, 17], max_new_tokens=100, stop_token_ids=[]) for _ in range(2)]
         refused = client.post("/v1/completions", json={"prompt": "the dog", "max_tokens": 4})
         for h in held:
             h.cancel()
         assert [h.result() is not None and h.finish_reason for h in held] == ["cancelled", "cancelled"]
         metrics = client.get("/metrics").text
-    assert ok.status_code == 200
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3  # ignore_eos: exactly max_tokens
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["error"]["code"] == "queue_full" and "retry later" in refused.json()["error"]["message"]
     assert 'kiln_decode_batch_size_bucket{le="1"}' in metrics and "kiln_generation_queue_depth 0" in metrics
