@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -214,10 +214,12 @@ class SharedBufferCache(CacheRunner):
 
 class SlotCache:
     """The KV cache of continuous batching (``kiln.runtimes.scheduler``): one (slots, kv heads, positions, head size)
-    buffer per layer and key/value, a request per row. ``prefill`` binds row ``slot`` alone (a batch-1 view of the
-    same memory: the request's cache and logits are those of the request served alone); ``decode`` binds rows
-    ``[0, n)`` and feeds a right-padded mask whose last 1 in each row is where that row's new token goes (the graph
-    takes each row's past length from it). Bindings are made once per slot and per row count, then reused."""
+    buffer per layer and key/value, a request per row. ``prefill`` binds rows ``[lo, lo + k)`` alone (a view of the
+    same memory) and writes k prompts from position 0, right-padded to the longest (each row's own length is its
+    past length in the graph, as in decoding; padding is written past the row's end and overwritten by its next
+    tokens); ``decode`` binds rows ``[0, n)`` and feeds a right-padded mask whose last 1 in each row is where that
+    row's new token goes (the graph takes each row's past length from it). Bindings are made once per row range,
+    then reused."""
 
     def __init__(self, runtime: OnnxRuntime, kv: dict, slots: int, positions: int) -> None:
         self.runtime = runtime
@@ -226,52 +228,61 @@ class SlotCache:
         self.arrays = {name: np.zeros(self.shape, np.float32) for name in kv["past"]}
         session = runtime.session
         self.vocab = int(next(o.shape[-1] for o in session.get_outputs() if o.name == "logits"))
-        self._one = np.array(1, np.int64)
-        self._rows: dict[int, tuple[ort.IOBinding, list]] = {}
-        self._batches: dict[int, tuple[ort.IOBinding, list]] = {}
+        self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list]] = {}
         self._keep: list[np.ndarray] = []
 
-    def _binding(self, lo: int, hi: int) -> tuple[ort.IOBinding, list]:
-        binding = self.runtime.session.io_binding()
-        values = []
-        for past, present in zip(self.kv["past"], self.kv["present"]):
-            view = self.arrays[past][lo:hi]  # leading-axis slice of a C-contiguous array: contiguous, same memory
-            value = ort.OrtValue.ortvalue_from_numpy(view)
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)
-            values.append(value)
-        if self.kv.get("logits_to_keep"):
-            binding.bind_cpu_input(self.kv["logits_to_keep"], self._one)
-        return binding, values
+    def _binding(self, lo: int, hi: int) -> ort.IOBinding:
+        if (lo, hi) not in self._bindings:
+            binding = self.runtime.session.io_binding()
+            values = []
+            for past, present in zip(self.kv["past"], self.kv["present"]):
+                view = self.arrays[past][lo:hi]  # leading-axis slice of a C-contiguous array: contiguous, same memory
+                value = ort.OrtValue.ortvalue_from_numpy(view)
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+                values.append(value)
+            self._bindings[lo, hi] = binding, values
+        return self._bindings[lo, hi][0]
 
-    def _run(self, binding: ort.IOBinding, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        logits = np.empty((ids.shape[0], 1 if self.kv.get("logits_to_keep") else ids.shape[1], self.vocab), np.float32)
-        self._keep = [ids, mask]  # bound by pointer: must outlive the run
+    def _run(self, binding: ort.IOBinding, ids: np.ndarray, mask: np.ndarray, keep: int = 1) -> np.ndarray:
+        """Logits (rows, positions kept, vocab): the last ``keep`` positions where the graph can slice, else all."""
+        name = self.kv.get("logits_to_keep")
+        kept = keep if name else ids.shape[1]
+        logits = np.empty((ids.shape[0], kept, self.vocab), np.float32)
+        self._keep = [ids, mask, np.array(keep, np.int64)]  # bound by pointer: must outlive the run
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
+        if name:
+            binding.bind_cpu_input(name, self._keep[2])
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         _run_bound(self.runtime.session, binding)
-        return logits[:, -1]
+        return logits
 
-    def prefill(self, slot: int, ids: np.ndarray) -> np.ndarray:
-        """The prompt (n,) into row ``slot`` from position 0; the last position's logits (vocab,)."""
-        if slot not in self._rows:
-            self._rows[slot] = self._binding(slot, slot + 1)
-        ids = np.ascontiguousarray(ids, np.int64)[None]
-        return self._run(self._rows[slot][0], ids, np.ones_like(ids))[0]
+    def prefill(self, lo: int, prompts: Sequence[np.ndarray]) -> np.ndarray:
+        """Prompts into rows ``[lo, lo + len(prompts))`` from position 0; each prompt's last logits (k, vocab). The
+        graph keeps the logits of the last (longest - shortest + 1) positions, so that each row's own last position is
+        among them (every position of a right-padded row past its end is padding)."""
+        lengths = np.asarray([len(p) for p in prompts])
+        width = int(lengths.max())
+        ids = np.zeros((len(prompts), width), np.int64)
+        mask = np.zeros((len(prompts), width), np.int64)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p
+            mask[i, :len(p)] = 1
+        keep = width - int(lengths.min()) + 1
+        logits = self._run(self._binding(lo, lo + len(prompts)), ids, mask, keep)
+        return logits[np.arange(len(prompts)), lengths - 1 - (width - logits.shape[1])]
 
     def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """One new token per row of rows ``[0, n)``, written at position ``lengths[row]`` of that row's cache (an idle
         row: token 0 at position 0, never read back); logits (n, vocab)."""
-        n = len(tokens)
-        if n not in self._batches:
-            self._batches[n] = self._binding(0, n)
         lengths = np.asarray(lengths, np.int64)
         mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
-        return self._run(self._batches[n][0], np.ascontiguousarray(tokens, np.int64)[:, None], mask)
+        ids = np.ascontiguousarray(tokens, np.int64)[:, None]
+        return self._run(self._binding(0, len(tokens)), ids, mask)[:, -1]
 
     def close(self) -> None:
-        self._rows, self._batches, self.arrays = {}, {}, {}
+        self._bindings, self.arrays = {}, {}
 
 
 REDUCED_NAMES = {"fp16": "float16", "bf16": "bfloat16"}

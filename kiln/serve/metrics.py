@@ -42,13 +42,14 @@ class Metrics:
         self.batch = Histogram(BATCH_BUCKETS)
         self.queue_depth = 0
         self.in_flight = 0
-        # continuous batching (decoders): rows per decode step, time to first token, inter-token latency
-        self.generation = {"batch_size": Histogram(BATCH_BUCKETS), "ttft": Histogram(LATENCY_BUCKETS),
-                           "itl": Histogram(TOKEN_BUCKETS)}
+        # continuous batching (decoders): rows per decode step and per prefill, time to first token, inter-token
+        # latency
+        self.generation = {"batch_size": Histogram(BATCH_BUCKETS), "prefill_rows": Histogram(BATCH_BUCKETS),
+                           "ttft": Histogram(LATENCY_BUCKETS), "itl": Histogram(TOKEN_BUCKETS)}
         self.generation_queue: Callable[[], int] | None = None
 
     def generated(self, name: str, value: float) -> None:
-        """A scheduler observation (``kiln.runtimes.scheduler.Stats`` hook): batch_size, ttft or itl."""
+        """A scheduler observation (``kiln.runtimes.scheduler.Stats`` hook): batch_size, prefill_rows, ttft or itl."""
         with self.lock:
             self.generation[name].observe(value)
 
@@ -82,6 +83,9 @@ class Metrics:
                 lines += ["# HELP kiln_decode_batch_size Requests decoded together per decode step (continuous "
                           "batching).", "# TYPE kiln_decode_batch_size histogram",
                           *g["batch_size"].lines("kiln_decode_batch_size"),
+                          "# HELP kiln_prefill_batch_size Requests prefilled together (joining in the same step).",
+                          "# TYPE kiln_prefill_batch_size histogram",
+                          *g["prefill_rows"].lines("kiln_prefill_batch_size"),
                           "# HELP kiln_time_to_first_token_seconds From a request's arrival to its first token.",
                           "# TYPE kiln_time_to_first_token_seconds histogram",
                           *g["ttft"].lines("kiln_time_to_first_token_seconds"),

@@ -152,3 +152,48 @@ def test_a_planted_bug_fails_the_identical_to_alone_check(artifacts, monkeypatch
         want = [alone(model, p, n) for p, n in zip(PROMPTS, NEW)]
         streams, _ = mixed(model)
     assert [s.tokens for i, s in enumerate(streams) if i != 2] != [w for i, w in enumerate(want) if i != 2]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_requests_joining_together_share_one_prefill_and_equal_each_alone(tmp_path, checkpoints, artifacts, precision):
+    """Six requests queued at once join in one step: prompts of 9, 4 and 14 tokens prefill together (right-padded,
+    each row's first token read at its own last position), the one-token prompt alone (its M = 1 prefill), the last
+    two together; every request's tokens equal the request alone. INT4 joins only prompts of one length by default
+    (cheaper there); mixed lengths are switched on to check MatMulNBits rows too."""
+    if precision == "fp32":
+        art = artifacts["llama"]
+    else:
+        from conftest import fast_options
+        from kiln.compiler import compile
+
+        art = compile(checkpoints["llama"], tmp_path / precision, fast_options(precision=precision))
+    with kr.load(art, threads=2) as model:
+        want = [alone(model, p, n) for p, n in zip(PROMPTS, NEW)]
+        with Scheduler(model, slots=6) as s:
+            assert s.join_mixed == (precision == "fp32")
+            s.join_mixed = True
+            with s._lock:  # the loop waits for the lock: all six are queued when it looks
+                streams = [s.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(PROMPTS, NEW)]
+            got = [st.result() for st in streams]
+            rows = list(s.stats.prefill_rows)
+    assert rows == [3, 1, 2] and [st.slot for st in streams] == [0, 1, 2, 3, 4, 5]
+    assert got == want
+
+
+def test_a_joined_prefill_that_attends_to_its_padding_fails(artifacts, monkeypatch):
+    """The planted bug: shorter prompts padded to the longest with the padding masked in (a mask of ones), so their
+    rows attend to it and their first token is read at the padded end."""
+    prefill = SlotCache.prefill
+
+    def padded_end(self, lo, prompts):
+        width = max(len(p) for p in prompts)
+        return prefill(self, lo, [np.concatenate([p, np.zeros(width - len(p), np.int64)]) for p in prompts])
+
+    monkeypatch.setattr(SlotCache, "prefill", padded_end)
+    with kr.load(artifacts["llama"], threads=2) as model:
+        want = [alone(model, p, n) for p, n in zip(PROMPTS[:3], NEW[:3])]
+        with Scheduler(model, slots=3) as s:
+            with s._lock:
+                streams = [s.submit(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(PROMPTS[:3], NEW[:3])]
+            got = [st.result() for st in streams]
+    assert got[2] == want[2] and got[:2] != want[:2]  # the longest row is unaffected, the padded ones differ

@@ -127,6 +127,7 @@ def test_full_generation_queue_is_429_with_retry_after_and_metrics_show_the_batc
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
     assert refused.json()["error"]["code"] == "queue_full" and "retry later" in refused.json()["error"]["message"]
     assert 'kiln_decode_batch_size_bucket{le="1"}' in metrics and "kiln_generation_queue_depth 0" in metrics
+    assert 'kiln_prefill_batch_size_bucket{le="1"}' in metrics
     counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if "_count" in line}
     assert counts["kiln_time_to_first_token_seconds_count"] >= 1  # the 3-token request; the held ones maybe
     assert counts["kiln_inter_token_latency_seconds_count"] >= 2
