@@ -115,7 +115,8 @@ class Stream:
 
 class Stats:
     """What the scheduler saw, for ``/metrics`` and ``kiln bench``: decode batch size per step, requests per prefill,
-    time to first token and inter-token latency (seconds), queue depth. ``observe`` hooks (name, value) are called from the loop."""
+    time to first token and inter-token latency (seconds), queue depth. ``observe`` hooks (name, value) are called
+    from the loop."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -287,7 +288,6 @@ class Scheduler:
                     self._rows = [None] * self.slots
                     return
                 joining = self._join()
-                self.stats.queue_depth = len(self._waiting)
             try:
                 self._step(joining)
             except Exception as e:  # noqa: BLE001 - the step's requests end with the error; the loop goes on
