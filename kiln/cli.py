@@ -46,9 +46,12 @@ class _Progress:
 
 def _parser() -> argparse.ArgumentParser:
     from kiln.compiler.options import (
+        ACCURACY_LEVELS,
         CALIBRATION_METHODS,
         LM_HEADS,
         PRECISIONS,
+        PRUNE_LAYERS,
+        PRUNE_METHODS,
         QUANT_METHODS,
         TARGETS,
         TASKS,
@@ -95,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="calibrated int8: channels above R x the median channel maximum stay FP32 (0: off)")
     c.add_argument("--smoothquant", type=float, default=d.smoothquant, metavar="ALPHA",
                    help="migrate activation outliers into the weights before int8 (alpha in [0, 1], 0.5 typical)")
-    c.add_argument("--quant-method", default=d.quant_method,
+    c.add_argument("--quant-method", choices=QUANT_METHODS, default=d.quant_method,
                    help=f"int4: {' or '.join(QUANT_METHODS)} (GPTQ layer by layer on --calibration text, "
                         "round-to-nearest, AWQ's activation-aware scales then round-to-nearest, or AWQ then GPTQ)")
     c.add_argument("--group-size", type=int, default=d.group_size, metavar="G",
@@ -104,9 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="int4 GPTQ: solve columns by descending activation energy (default on)")
     c.add_argument("--prune", default=d.prune, metavar="heads=R,ffn=R",
                    help="remove fractions of every layer's attention heads and FFN channels before export")
-    c.add_argument("--prune-method", default=d.prune_method, metavar="flap|wanda|magnitude",
+    c.add_argument("--prune-method", choices=PRUNE_METHODS, default=d.prune_method,
                    help="how --prune chooses what to remove (default flap: input fluctuation + bias compensation)")
-    c.add_argument("--prune-layers", default=d.prune_layers, metavar="uniform|adaptive",
+    c.add_argument("--prune-layers", choices=PRUNE_LAYERS, default=d.prune_layers,
                    help="--prune: the same count from every layer (default), or per-layer counts from one "
                         "across-layer ranking (FLAP's structure search)")
     c.add_argument("--asym", action=argparse.BooleanOptionalAction, default=d.asym,
@@ -114,9 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--mixed-bits", action=argparse.BooleanOptionalAction, default=d.mixed_bits,
                    help="int4 gptq / awq+gptq: attention input and FFN down projections of llama.cpp's more-bits "
                         "layers at 8 bits (default on for decoders on the cpu target)")
-    c.add_argument("--lm-head", default=d.lm_head, metavar="|".join(LM_HEADS),
+    c.add_argument("--lm-head", choices=LM_HEADS, default=d.lm_head,
                    help="int4: precision of the lm_head and the embedding table (default int8)")
-    c.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=d.accuracy_level,
+    c.add_argument("--accuracy-level", type=int, choices=ACCURACY_LEVELS, default=d.accuracy_level,
                    help="MatMulNBits accuracy level: 4 = int8 activations per block, 0 = FP32 activations "
                         "(default 4; int4 encoders 0)")
     c.add_argument("--gptq-windows", type=int, default=d.gptq_windows, metavar="N",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +20,12 @@ CORPUS = [
     "def fibonacci(n):\n    a, b = 0, 1\n    return a\n", "Compilers rewrite graphs into faster operations.",
 ] * 4
 VOCAB = 128
+# tests/test_fuzz.py draws fresh examples from this seed each run; KILN_FUZZ_SEED=N replays one
+FUZZ_SEED = int(os.environ.get("KILN_FUZZ_SEED") or secrets.randbelow(2 ** 32))
+
+
+def pytest_report_header(config):
+    return f"fuzz seed {FUZZ_SEED} (replay: KILN_FUZZ_SEED={FUZZ_SEED} make test)"
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,7 @@
 """Property-based fuzzing (hypothesis) of what users hand kiln: manifests, feeds, generate arguments, gate configs.
 The only outcomes allowed are a result or kiln's own one-line error (a KilnError), never another exception.
+Each property runs twice: 60 pinned examples (the same every run, ``derandomize``) and 30 drawn from a fresh seed
+each run (``<name>_fresh_seed``), printed in pytest's header; ``KILN_FUZZ_SEED=N make test`` replays a run.
 Bounded: a fixed example count per property, no deadline (the suite stays under a minute here)."""
 
 from __future__ import annotations
@@ -7,20 +9,33 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from conftest import FUZZ_SEED  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kiln.runtimes as kr  # noqa: E402
 from kiln.errors import KilnError  # noqa: E402
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                       HealthCheck.too_slow], derandomize=True)
+_QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+PINNED = settings(max_examples=60, deadline=None, suppress_health_check=_QUIET, derandomize=True, database=None)
+FRESH = settings(max_examples=30, deadline=None, suppress_health_check=_QUIET, database=None)
+
+
+def fuzz(**strategies):
+    """The property over the pinned examples, plus a twin ``<name>_fresh_seed`` over ``FUZZ_SEED``'s examples."""
+    def register(fn):
+        fresh = seed(FUZZ_SEED)(FRESH(given(**strategies)(fn)))
+        fresh.__name__ = fresh.__qualname__ = fn.__name__ + "_fresh_seed"
+        setattr(sys.modules[fn.__module__], fresh.__name__, fresh)
+        return PINNED(given(**strategies)(fn))
+    return register
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-10 ** 12, 10 ** 12) | st.floats(allow_nan=True)
                            | st.text(max_size=12),
@@ -64,8 +79,7 @@ def mutate(data, path: list, value):
 _DELETE = object()
 
 
-@FUZZ
-@given(edits=st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=4),
+@fuzz(edits=st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=4),
                                 st.one_of(st.just(_DELETE), json_values)), min_size=1, max_size=3))
 def test_mutated_manifests_load_or_fail_cleanly(artifacts, tmp_path_factory, edits):
     art = tmp_path_factory.mktemp("m") / "a"
@@ -86,8 +100,7 @@ arrays = st.builds(lambda dt, shape, seed: np.random.default_rng(seed).integers(
                    dtypes, st.lists(st.integers(0, 5), max_size=4).map(tuple), st.integers(0, 100))
 
 
-@FUZZ
-@given(feeds=st.dictionaries(st.sampled_from(["input_ids", "attention_mask", "past_key_values.0.key", "logits_to_keep",
+@fuzz(feeds=st.dictionaries(st.sampled_from(["input_ids", "attention_mask", "past_key_values.0.key", "logits_to_keep",
                                               "token_type_ids", "bogus"]), arrays, max_size=4))
 def test_random_feeds_run_or_fail_cleanly(llama, feeds):
     only_kiln_errors(llama.run, feeds)
@@ -96,8 +109,7 @@ def test_random_feeds_run_or_fail_cleanly(llama, feeds):
 floats = st.floats(0.1, 2.0) | st.floats(allow_nan=True, allow_infinity=True, width=32) | st.integers(-5, 5)
 
 
-@FUZZ
-@given(prompt=st.lists(st.lists(st.integers(1, 127), min_size=1, max_size=6), min_size=1, max_size=3)
+@fuzz(prompt=st.lists(st.lists(st.integers(1, 127), min_size=1, max_size=6), min_size=1, max_size=3)
        | st.lists(st.lists(st.integers(-3, 140), max_size=6), max_size=3) | st.text(max_size=20),
        max_new_tokens=st.integers(1, 12) | st.integers(-2, 140), temperature=floats, top_k=st.integers(-3, 300), top_p=floats,
        repetition_penalty=floats, do_sample=st.booleans(), seed=st.none() | st.integers(0, 2 ** 32))
@@ -118,8 +130,7 @@ threshold_values = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.
                              st.booleans(), st.lists(st.integers(), max_size=2))
 
 
-@FUZZ
-@given(table=st.dictionaries(st.sampled_from(["max_ppl_increase_pct", "min_top1_agreement", "max_kl_mean",
+@fuzz(table=st.dictionaries(st.sampled_from(["max_ppl_increase_pct", "min_top1_agreement", "max_kl_mean",
                                               "min_cosine", "max_latency_regression_pct", "nonsense"]),
                              threshold_values, max_size=4),
        raw=st.none() | st.text(max_size=30))

@@ -157,7 +157,7 @@ def main() -> int:
           f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
     print(f"shape: 8 layers, hidden 512, 8 / 4 heads of 64, vocab 8192; FP32; batch 1, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rotating rounds")
-    print(f"| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
+    print("| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
           "per byte vs llama |")
     print("|---|---|---|---|---|---|---|---|---|")
     base = speed["llama"] * built["llama"]["read_bytes"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import resource
 import shutil
 import subprocess
 import sys

@@ -22,26 +22,16 @@ import onnx
 
 import kiln.runtimes as kr
 from kiln.compiler import manifest as manifest_lib
+from kiln.compiler import options as options_lib
 from kiln.compiler import stream as stream_lib
 from kiln.compiler import trace, trace_seq2seq, trace_stream
 from kiln.compiler.artifact import check_output, staging
 from kiln.compiler.experts import routed_experts
 from kiln.compiler.load import Checkpoint, load_checkpoint
-from kiln.compiler.options import (
-    AWQ_METHODS,
-    CALIBRATION_METHODS,
-    LM_HEADS,
-    PRECISIONS,
-    QUANT_METHODS,
-    REDUCED_FLOAT,
-    SOLVED_METHODS,
-    TARGETS,
-    TASKS,
-    CompileOptions,
-    int4_defaults,
-)
+from kiln.compiler.options import AWQ_METHODS, REDUCED_FLOAT, CompileOptions, int4_defaults
 from kiln.compiler.pipeline import STAGES, ModelFacts, build_pass, check_coverage, recipe
-from kiln.compiler.quantize import int8
+from kiln.compiler.quantize import driver as driver_lib
+from kiln.compiler.quantize import gptq
 from kiln.compiler.scoped import torch_threads
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import GENERATION_STEPS, verify_generation, verify_seq2seq
@@ -57,95 +47,19 @@ Progress = Callable[[str], None]
 GRAPH = "model.onnx"
 
 
-def _check_options(options: CompileOptions) -> None:
-    if options.precision not in PRECISIONS:
-        raise UsageError(f"precision {options.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
-    if options.precision in REDUCED_FLOAT and options.target != "tensorrt":
-        raise UsageError(f"--precision {options.precision} builds a graph for TensorRT's FP16/BF16 kernels (ONNX Runtime "
-                         f"CPU has no fast ones); add --target tensorrt, or use --precision int8 for the CPU")
-    if options.max_length is not None and options.max_length < 2:
-        raise UsageError(f"--max-length {options.max_length} is too small; give at least 2 (prompt + one new token)")
-    if options.prune:
-        from kiln.compiler import prune as prune_lib
-
-        if prune_lib.parse(options.prune, options.prune_method, options.prune_layers).auto and \
-                (not options.max_drop or options.precision != "fp32"):
-            raise UsageError("--prune auto chooses the ratio under --max-drop at FP32: add --max-drop METRIC=VALUE "
-                             "(with --precision int8/int4, give --prune ratios instead)")
-    elif options.prune_method != CompileOptions.prune_method or options.prune_layers != CompileOptions.prune_layers:
-        raise UsageError("--prune-method and --prune-layers choose what --prune removes; add --prune heads=R,ffn=R")
-    if (options.static or options.smoothquant is not None) and options.precision != "int8":
-        raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
-    if (options.max_drop or options.calibration) and not options.prune and options.precision == "fp32":
-        raise UsageError("--max-drop and --calibration configure quantization (--calibration also --prune); "
-                         "add --precision int8 or int4")
-    _check_int4(options)
-    if options.calibration_method not in CALIBRATION_METHODS:
-        raise UsageError(f"--calibration-method {options.calibration_method!r} is unknown; choose one of "
-                         f"{', '.join(CALIBRATION_METHODS)}")
-    if options.outlier_ratio and options.outlier_ratio <= 1.0:
-        raise UsageError(f"--outlier-ratio {options.outlier_ratio}: give a ratio above 1 (6 is typical) or 0 to turn it off")
-    if options.smoothquant is not None and not 0.0 <= options.smoothquant <= 1.0:
-        raise UsageError(f"--smoothquant {options.smoothquant}: alpha must be in [0, 1] (0.5 is typical)")
-    if options.target not in TARGETS:
-        raise UsageError(f"target {options.target!r} is not supported; choose one of {', '.join(TARGETS)}")
-    if options.task is not None and options.task not in TASKS:
-        raise UsageError(f"task {options.task!r} is unknown; choose one of {', '.join(TASKS)}")
-
-
-def _check_int4(options: CompileOptions) -> None:
-    int4_flags = [f for f, on in (("--asym", options.asym is not None),
-                                  ("--mixed-bits", options.mixed_bits is not None),
-                                  ("--lm-head", options.lm_head is not None),
-                                  ("--quant-method", options.quant_method != CompileOptions.quant_method),
-                                  ("--group-size", options.group_size != CompileOptions.group_size)) if on]
-    if int4_flags and options.precision != "int4":
-        raise UsageError(f"{', '.join(int4_flags)} configure INT4; add --precision int4")
-    if options.quant_method not in QUANT_METHODS:
-        raise UsageError(f"--quant-method {options.quant_method!r} is unknown; choose one of {', '.join(QUANT_METHODS)}")
-    g = options.group_size
-    if g != 0 and (g < 16 or g & (g - 1)):
-        raise UsageError(f"--group-size {g}: give a power of two >= 16 (32, 64, 128) or 0 for one group per row")
-    if options.lm_head is not None and options.lm_head not in LM_HEADS:
-        raise UsageError(f"--lm-head {options.lm_head!r} is unknown; choose one of {', '.join(LM_HEADS)}")
-    if options.mixed_bits and (options.target == "tensorrt" or options.quant_method not in SOLVED_METHODS):
-        raise UsageError(f"--mixed-bits needs a solver on the cpu target (--quant-method gptq or awq+gptq, not "
-                         f"{options.quant_method} on {options.target}); drop --mixed-bits")
-    if options.asym and options.target == "tensorrt":
-        raise UsageError("--asym --target tensorrt: TensorRT takes symmetric INT4 only; drop --asym")
-    if options.gptq_windows < 1:
-        raise UsageError(f"--gptq-windows {options.gptq_windows}: give at least 1 (128 is typical)")
-
-
-def imported_options(ckpt: Checkpoint, options: CompileOptions) -> CompileOptions:
-    """An already-quantized checkpoint compiles to INT4 with its own codes: GPTQ does not run again."""
-    from dataclasses import replace
-
-    info = ckpt.imported or {}
-    if options.precision not in ("fp32", "int4"):
-        raise UsageError(f"{ckpt.source['path']} is already quantized ({info.get('format')}, {info.get('bits')}-bit); "
-                         "compile it without --precision (or with --precision int4)")
-    if options.asym or options.mixed_bits or options.quant_method != CompileOptions.quant_method or options.calibration:
-        raise UsageError(f"{ckpt.source['path']} is already quantized: --asym, --mixed-bits, --quant-method and "
-                         "--calibration do not apply (its codes are compiled as they are)")
-    group = int(info.get("group_size", 128))
-    return replace(options, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn", asym=False,
-                   mixed_bits=False)
-
-
 def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions | None = None,
             progress: Progress | None = None) -> Path:
     """Compile a Hugging Face checkpoint directory into a verified artifact at ``output``."""
     options = options or CompileOptions()
     say = progress or (lambda msg: log.info(msg))
-    _check_options(options)
+    options_lib.check(options)
     output = Path(output).absolute()
     check_output(output, options.force)
     stream = stream_lib.streams(Path(checkpoint), options, say)
     say(f"load {checkpoint}" + (" (streamed: the weights stay on disk, read one tensor at a time)" if stream else ""))
     ckpt = load_checkpoint(checkpoint, options.task, stream=stream)
     if ckpt.codebook is not None:
-        options = imported_options(ckpt, options)
+        options = options_lib.for_imported(options, ckpt.source["path"], ckpt.imported or {})
         say(f"{ckpt.path.name}: {ckpt.imported['format']} {ckpt.imported['bits']}-bit, group "
             f"{ckpt.imported['group_size']}: compiled with its own codes (no requantization)")
     options = int4_defaults(ckpt.kind, options)
@@ -153,7 +67,7 @@ def compile(checkpoint: str | Path, output: str | Path, options: CompileOptions 
         with torch_threads(options.threads):
             ckpt = prune_checkpoint(ckpt, options, say)
     if options.precision == "int4":
-        int8.check_group_size(ckpt, options)
+        gptq.check_group_size(ckpt.model, options.group_size, ckpt.path)
         if options.quant_method in AWQ_METHODS and ckpt.kind == "seq2seq":
             raise UsageError(f"--quant-method {options.quant_method}: {ckpt.path} is an encoder-decoder; kiln's AWQ "
                              "scales encoder-only and decoder-only models (use gptq or rtn)")
@@ -180,7 +94,7 @@ def prune_checkpoint(ckpt: Checkpoint, options: CompileOptions, say: Progress) -
     from kiln.compiler import corpus
     from kiln.compiler import prune as prune_lib
 
-    spec = prune_lib.parse(options.prune, options.prune_method, options.prune_layers)
+    spec = options_lib.parse_prune(options.prune, options.prune_method, options.prune_layers)
     if ckpt.kind == "seq2seq" or ckpt.codebook is not None:
         raise UsageError(f"--prune: {ckpt.path} is {'an encoder-decoder' if ckpt.kind == 'seq2seq' else 'already quantized'}"
                          "; kiln prunes encoder-only and decoder-only FP32 checkpoints")
@@ -318,18 +232,18 @@ def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:
 
 def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, options: CompileOptions,
                  ckpt: Checkpoint, say: Progress,
-                 drivers: list[int8.Driver] | None = None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+                 drivers: list[driver_lib.QuantDriver] | None = None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
     """Run the recipe's stages in order; calibrated stages are built by the INT8 driver from measurements
     of the graph they receive (the driver is appended to ``drivers`` when given)."""
     record: list[dict[str, Any]] = []
-    driver: int8.Driver | None = drivers[0] if drivers else None  # AWQ's, when it ran before the trace
+    driver: driver_lib.QuantDriver | None = drivers[0] if drivers else None  # AWQ's, when it ran before the trace
     for name in names:
         if name in options.disabled_passes:
             record.append({"name": name, "disabled": True, "stats": {}})
             continue
         if STAGES[name].calibrated:
             if driver is None:
-                driver = int8.Driver(ckpt, facts, options, say)
+                driver = driver_lib.QuantDriver(ckpt, facts, options, say)
                 if drivers is not None:
                     drivers.append(driver)
             model, rec = driver.run(name, model)
@@ -340,7 +254,7 @@ def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, op
 
 
 def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOptions, ckpt: Checkpoint,
-             say: Progress, graph: str = "", drivers: list[int8.Driver] | None = None
+             say: Progress, graph: str = "", drivers: list[driver_lib.QuantDriver] | None = None
              ) -> tuple[list[dict[str, Any]], list[str]]:
     """Replace the traced graph at ``path`` with its optimised form; returns the record and coverage shortfalls.
 
@@ -371,7 +285,7 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
 
 
 def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) -> None:
-    drivers: list[int8.Driver] = []
+    drivers: list[driver_lib.QuantDriver] = []
     try:
         _build(ckpt, root, options, say, drivers)
     finally:
@@ -379,14 +293,14 @@ def build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress) 
             driver.close()
 
 
-def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress, drivers: list[int8.Driver]) -> None:
+def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress, drivers: list[driver_lib.QuantDriver]) -> None:
     facts = model_facts(ckpt)
     names = recipe(ckpt.kind, options)
     if ckpt.kind == "seq2seq":
         data = _build_seq2seq(ckpt, facts, names, root, options, say)
     else:
         if options.precision == "int4" and options.quant_method in AWQ_METHODS and ckpt.codebook is None:
-            driver = int8.Driver(ckpt, facts, options, say)  # scales the eager model before it is traced
+            driver = driver_lib.QuantDriver(ckpt, facts, options, say)  # scales the eager model before it is traced
             drivers.append(driver)
             driver.awq()
         say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
@@ -590,7 +504,7 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ParityError(f"parity check failed for {ckpt.path}: {'; '.join(problems[:3])}{more}; "
                           f"no artifact written, full report in {kept}")
-    summary = int8.cost_and_gain(data["passes"], report)
+    summary = driver_lib.cost_and_gain(data["passes"], report)
     if summary:
         report["quantization"] = summary
     if ckpt.pruning is not None:

@@ -1,9 +1,18 @@
-"""The one place compile defaults live: the CLI, the Python API and the manifest all read them here."""
+"""The one place compile options live: their defaults, their choices and their checks, for the CLI (argparse takes
+its choices here), the Python API and the manifest alike.
+
+Two checks: every value on its own when a ``CompileOptions`` is made (``CompileOptions(accuracy_level=9)`` raises),
+and the options together (``check``: e.g. ``--asym`` without ``--precision int4``) once, when a compile starts.
+Checks that need the model (a group size larger than a layer, a ``--max-length`` over the model's maximum, a
+``--max-drop`` metric for the other model kind) run where the model is known, against the values parsed here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
+
+from kiln.errors import UsageError
 
 TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm", "text2text-generation")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -21,6 +30,18 @@ AWQ_METHODS = ("awq", "awq+gptq")
 LM_HEADS = ("fp32", "int8", "int4")
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy")
 TARGETS = ("cpu", "tensorrt")
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+"""MatMulNBits accuracy_level: 0 keeps activations FP32, 1-4 compute in fp32/fp16/bf16/int8 (ONNX Runtime's spec)."""
+PRUNE_METHODS = ("flap", "wanda", "magnitude")
+"""How --prune chooses heads and channels: FLAP's fluctuation metric with bias compensation (An et al. 2024),
+Wanda's |W|·||X|| (Sun et al. 2023), or weight magnitude (no data)."""
+PRUNE_COMPONENTS = ("heads", "ffn")
+PRUNE_LAYERS = ("uniform", "adaptive")
+MAX_DROP_METRICS = {"cosine": ("encoder", "minimum pooled-output cosine vs FP32, e.g. cosine=0.995"),
+                    "ppl": ("decoder", "perplexity increase in percent, e.g. ppl=2"),
+                    "top1": ("decoder", "next-token top-1 agreement with FP32, e.g. top1=0.98"),
+                    "kl": ("decoder", "mean next-token KL divergence from FP32, e.g. kl=0.01")}
+"""--max-drop metric -> (the model kind it is measured on, what it means)."""
 STREAM_ABOVE = 1 << 30
 """``--stream`` auto: checkpoints whose FP32 weights exceed 1 GiB stream (the in-memory path peaks near 5x them)."""
 """cpu: ONNX Runtime's contrib-op graph; tensorrt: standard-op graph for TensorRT's parser (also runs on ONNX Runtime)."""
@@ -105,11 +126,169 @@ class CompileOptions:
     graph is traced from an empty shell, weights stream into external data, and verification runs the reference one
     layer at a time. None: stream when the FP32 weights exceed ``STREAM_ABOVE``."""
 
+    def __post_init__(self) -> None:
+        check_values(self)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["latency_shape"] = list(self.latency_shape)
         d["disabled_passes"] = list(self.disabled_passes)
         return d
+
+
+@dataclass(frozen=True)
+class PruneSpec:
+    """``--prune`` parsed: the fractions of every layer's heads and FFN channels to remove."""
+    heads: float = 0.0
+    ffn: float = 0.0
+    method: str = "flap"
+    auto: bool = False
+    """``--prune auto``: the largest equal heads/FFN ratio that meets ``--max-drop`` (``build.prune_checkpoint``)."""
+    adaptive: bool = False
+    """``--prune-layers adaptive``: per-layer counts from one across-layer ranking of standardised scores (FLAP's
+    structure search) instead of the same count in every layer."""
+
+
+def parse_prune(text: str, method: str = "flap", per_layer: str = "uniform") -> PruneSpec:
+    """``heads=0.25,ffn=0.25`` -> PruneSpec; every ratio in [0, 1). ``auto``: chosen under the budget."""
+    _choice("--prune-method", method, PRUNE_METHODS)
+    _choice("--prune-layers", per_layer, PRUNE_LAYERS)
+    adaptive = per_layer == "adaptive"
+    if text.strip() == "auto":
+        return PruneSpec(method=method, auto=True, adaptive=adaptive)
+    ratios: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in PRUNE_COMPONENTS or not value:
+            raise UsageError(f"--prune {text!r}: give COMPONENT=RATIO pairs, components {', '.join(PRUNE_COMPONENTS)} "
+                             "(e.g. heads=0.25,ffn=0.25), or auto with --max-drop")
+        try:
+            r = float(value)
+        except ValueError as e:
+            raise UsageError(f"--prune {text!r}: {value!r} is not a number") from e
+        if not 0 <= r < 1:
+            raise UsageError(f"--prune {text!r}: a ratio is in [0, 1) (got {name}={value})")
+        ratios[name] = r
+    return PruneSpec(ratios.get("heads", 0.0), ratios.get("ffn", 0.0), method, adaptive=adaptive)
+
+
+def parse_max_drop(text: str, kind: str | None = None) -> tuple[str, float]:
+    """``ppl=2`` -> ("ppl", 2.0); with the model ``kind`` known, a metric measured on the other kind is refused."""
+    metric, _, value = text.partition("=")
+    if metric not in MAX_DROP_METRICS or not value:
+        choices = "; ".join(f"{m}=VALUE ({kind_}: {what})" for m, (kind_, what) in MAX_DROP_METRICS.items())
+        raise UsageError(f"--max-drop {text!r}: give one of {choices}")
+    try:
+        v = float(value)
+    except ValueError as e:
+        raise UsageError(f"--max-drop {text!r}: {value!r} is not a number") from e
+    if metric in ("cosine", "top1") and not 0 < v <= 1:
+        raise UsageError(f"--max-drop {text!r}: a {metric} must be in (0, 1]")
+    if metric in ("ppl", "kl") and not v >= 0:
+        raise UsageError(f"--max-drop {text!r}: a {metric} increase cannot be negative")
+    if kind is not None and MAX_DROP_METRICS[metric][0] != kind:
+        fits = ", ".join(m for m, (k, _) in MAX_DROP_METRICS.items() if k == kind) or "none"
+        raise UsageError(f"--max-drop {metric} is measured on {MAX_DROP_METRICS[metric][0]}s; for this {kind} use {fits}")
+    return metric, v
+
+
+def _choice(flag: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise UsageError(f"{flag} {value!r} is unknown; choose one of {', '.join(map(str, choices))}")
+
+
+def _at_least(flag: str, value: Any, low: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UsageError(f"{flag} {value!r}: give a whole number >= {low} ({hint})")
+
+
+def check_values(o: CompileOptions) -> None:
+    """Every option on its own (``CompileOptions`` runs it when made): choices, ranges, and the syntax of the
+    option strings (--prune, --max-drop)."""
+    if o.precision not in PRECISIONS:
+        raise UsageError(f"precision {o.precision!r} is not supported; choose one of {', '.join(PRECISIONS)}")
+    if o.target not in TARGETS:
+        raise UsageError(f"target {o.target!r} is not supported; choose one of {', '.join(TARGETS)}")
+    if o.task is not None and o.task not in TASKS:
+        raise UsageError(f"task {o.task!r} is unknown; choose one of {', '.join(TASKS)}")
+    _choice("--quant-method", o.quant_method, QUANT_METHODS)
+    _choice("--calibration-method", o.calibration_method, CALIBRATION_METHODS)
+    _choice("--prune-method", o.prune_method, PRUNE_METHODS)
+    _choice("--prune-layers", o.prune_layers, PRUNE_LAYERS)
+    if o.lm_head is not None:
+        _choice("--lm-head", o.lm_head, LM_HEADS)
+    if o.accuracy_level is not None:
+        _choice("--accuracy-level", o.accuracy_level, ACCURACY_LEVELS)
+    _at_least("--opset", o.opset, 17, "kiln traces at opset 17 or newer; 23 is the default")
+    if o.threads is not None:
+        _at_least("--threads", o.threads, 1, "or leave it out for all cores")
+    _at_least("--verify-max-length", o.verify_max_length, 1, "512 is the default")
+    _at_least("--seed", o.seed, 0, "0 is the default")
+    _at_least("--gptq-windows", o.gptq_windows, 1, "128 is typical")
+    _at_least("--gptq-window", o.gptq_window, 2, "256 is the default")
+    if o.max_length is not None and (not isinstance(o.max_length, int) or o.max_length < 2):
+        raise UsageError(f"--max-length {o.max_length} is too small; give at least 2 (prompt + one new token)")
+    g = o.group_size
+    if isinstance(g, bool) or not isinstance(g, int) or (g != 0 and (g < 16 or g & (g - 1))):
+        raise UsageError(f"--group-size {g}: give a power of two >= 16 (32, 64, 128) or 0 for one group per row")
+    if len(o.latency_shape) != 2 or not all(isinstance(v, int) and v >= 1 for v in o.latency_shape):
+        raise UsageError(f"latency_shape {o.latency_shape!r}: give (batch, sequence), both whole numbers >= 1")
+    if not o.latency_budget_s > 0:
+        raise UsageError(f"latency_budget_s {o.latency_budget_s!r}: give a number of seconds above 0")
+    if o.outlier_ratio and not o.outlier_ratio > 1.0:
+        raise UsageError(f"--outlier-ratio {o.outlier_ratio}: give a ratio above 1 (6 is typical) or 0 to turn it off")
+    if o.smoothquant is not None and not 0.0 <= o.smoothquant <= 1.0:
+        raise UsageError(f"--smoothquant {o.smoothquant}: alpha must be in [0, 1] (0.5 is typical)")
+    if o.external_data_threshold < 0:
+        raise UsageError(f"external_data_threshold {o.external_data_threshold}: give a byte count >= 0")
+    if o.prune:
+        parse_prune(o.prune, o.prune_method, o.prune_layers)
+    if o.max_drop:
+        parse_max_drop(o.max_drop)
+
+
+def check(o: CompileOptions) -> None:
+    """The options together, once per compile: each flag that configures another mode names the flag it needs."""
+    if o.precision in REDUCED_FLOAT and o.target != "tensorrt":
+        raise UsageError(f"--precision {o.precision} builds a graph for TensorRT's FP16/BF16 kernels (ONNX Runtime "
+                         f"CPU has no fast ones); add --target tensorrt, or use --precision int8 for the CPU")
+    if o.prune:
+        if parse_prune(o.prune, o.prune_method, o.prune_layers).auto and (not o.max_drop or o.precision != "fp32"):
+            raise UsageError("--prune auto chooses the ratio under --max-drop at FP32: add --max-drop METRIC=VALUE "
+                             "(with --precision int8/int4, give --prune ratios instead)")
+    elif o.prune_method != CompileOptions.prune_method or o.prune_layers != CompileOptions.prune_layers:
+        raise UsageError("--prune-method and --prune-layers choose what --prune removes; add --prune heads=R,ffn=R")
+    if (o.static or o.smoothquant is not None) and o.precision != "int8":
+        raise UsageError("--static and --smoothquant configure INT8; add --precision int8")
+    if (o.max_drop or o.calibration) and not o.prune and o.precision == "fp32":
+        raise UsageError("--max-drop and --calibration configure quantization (--calibration also --prune); "
+                         "add --precision int8 or int4")
+    int4_flags = [f for f, on in (("--asym", o.asym is not None),
+                                  ("--mixed-bits", o.mixed_bits is not None),
+                                  ("--lm-head", o.lm_head is not None),
+                                  ("--quant-method", o.quant_method != CompileOptions.quant_method),
+                                  ("--group-size", o.group_size != CompileOptions.group_size)) if on]
+    if int4_flags and o.precision != "int4":
+        raise UsageError(f"{', '.join(int4_flags)} configure INT4; add --precision int4")
+    if o.mixed_bits and (o.target == "tensorrt" or o.quant_method not in SOLVED_METHODS):
+        raise UsageError(f"--mixed-bits needs a solver on the cpu target (--quant-method gptq or awq+gptq, not "
+                         f"{o.quant_method} on {o.target}); drop --mixed-bits")
+    if o.asym and o.target == "tensorrt":
+        raise UsageError("--asym --target tensorrt: TensorRT takes symmetric INT4 only; drop --asym")
+
+
+def for_imported(o: CompileOptions, path: str | Path, info: dict[str, Any]) -> CompileOptions:
+    """An already-quantized checkpoint (``info``: its format, bits and group size) compiles to INT4 with its own
+    codes: GPTQ does not run again."""
+    if o.precision not in ("fp32", "int4"):
+        raise UsageError(f"{path} is already quantized ({info.get('format')}, {info.get('bits')}-bit); "
+                         "compile it without --precision (or with --precision int4)")
+    if o.asym or o.mixed_bits or o.quant_method != CompileOptions.quant_method or o.calibration:
+        raise UsageError(f"{path} is already quantized: --asym, --mixed-bits, --quant-method and "
+                         "--calibration do not apply (its codes are compiled as they are)")
+    group = int(info.get("group_size", 128))
+    return replace(o, precision="int4", group_size=group if group > 0 else 0, quant_method="rtn", asym=False,
+                   mixed_bits=False)
 
 
 def int4_defaults(kind: str, options: CompileOptions) -> CompileOptions:
@@ -120,8 +299,6 @@ def int4_defaults(kind: str, options: CompileOptions) -> CompileOptions:
     activations per block (decode is a GEMV: level 4 is the fast one), and with a solver on the CPU mixed widths
     (SmolLM2-135M GPTQ, llama-perplexity's protocol: +9.3% -> +5.8% over FP32 at 99.6 -> 100.4 MiB, decode
     1.04x -> 0.95x llama.cpp Q4_K_M's; README, INT4)."""
-    from dataclasses import replace
-
     encoder_cpu = kind == "encoder" and options.target == "cpu" and options.precision == "int4"
     asym = options.asym if options.asym is not None else encoder_cpu
     level = options.accuracy_level if options.accuracy_level is not None else 0 if encoder_cpu else 4

@@ -3,7 +3,7 @@ listing them in order. Adding a precision or a pass is a row or a name in a row;
 out in full, so a pass added to one recipe never shifts another.
 
 A stage is calibrated when it is built from statistics of the graph it receives (SmoothQuant, outlier
-splitting, the quantizers): the compiler's INT8 driver (``kiln.compiler.quantize.int8``) runs the
+splitting, the quantizers): the compiler's INT8 driver (``kiln.compiler.quantize.driver``) runs the
 graph on calibration text and hands the numbers in. After the pipeline, the fusion coverage check
 refuses to pass a half-fused graph off as optimised.
 """

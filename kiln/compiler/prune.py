@@ -28,50 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.compiler.options import PruneSpec
 from kiln.errors import UnsupportedModelError, UsageError
 
-METHODS = ("flap", "wanda", "magnitude")
 COST_KEYS = {"cosine": "cosine_min", "ppl": "ppl_increase_pct", "top1": "top1_agreement", "kl": "kl_mean"}
 """--max-drop metric -> the ``cost`` entry that measures it."""
-COMPONENTS = ("heads", "ffn")
-PER_LAYER = ("uniform", "adaptive")
-
-
-@dataclass(frozen=True)
-class Spec:
-    heads: float = 0.0
-    ffn: float = 0.0
-    method: str = "flap"
-    auto: bool = False
-    """``--prune auto``: the largest equal heads/FFN ratio that meets ``--max-drop`` (``build.prune_checkpoint``)."""
-    adaptive: bool = False
-    """``--prune-layers adaptive``: per-layer counts from one across-layer ranking of standardised scores (FLAP's
-    structure search) instead of the same count in every layer."""
-
-
-def parse(text: str, method: str = "flap", per_layer: str = "uniform") -> Spec:
-    """``heads=0.25,ffn=0.25`` -> Spec; every ratio in [0, 1). ``auto``: chosen under the budget."""
-    if method not in METHODS:
-        raise UsageError(f"--prune-method {method!r} is unknown; choose one of {', '.join(METHODS)}")
-    if per_layer not in PER_LAYER:
-        raise UsageError(f"--prune-layers {per_layer!r} is unknown; choose one of {', '.join(PER_LAYER)}")
-    adaptive = per_layer == "adaptive"
-    if text.strip() == "auto":
-        return Spec(method=method, auto=True, adaptive=adaptive)
-    ratios: dict[str, float] = {}
-    for part in text.split(","):
-        name, _, value = part.strip().partition("=")
-        if name not in COMPONENTS or not value:
-            raise UsageError(f"--prune {text!r}: give COMPONENT=RATIO pairs, components {', '.join(COMPONENTS)} "
-                             "(e.g. heads=0.25,ffn=0.25), or auto with --max-drop")
-        try:
-            r = float(value)
-        except ValueError as e:
-            raise UsageError(f"--prune {text!r}: {value!r} is not a number") from e
-        if not 0 <= r < 1:
-            raise UsageError(f"--prune {text!r}: a ratio is in [0, 1) (got {name}={value})")
-        ratios[name] = r
-    return Spec(ratios.get("heads", 0.0), ratios.get("ffn", 0.0), method, adaptive=adaptive)
 
 
 @dataclass
@@ -146,7 +107,7 @@ def column_scores(w: Any, inputs: Inputs | None, method: str) -> Any:
     return inputs.var * (w * w).sum(0)  # flap: fluctuation
 
 
-def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, spec: Spec,
+def prune(model: Any, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, spec: PruneSpec,
           feeds: Sequence[dict[str, Any]], say: Callable[[str], None], kv_cache: bool = False) -> dict[str, Any]:
     """Prune ``model`` in place (and its config); return what was removed, per layer. ``kv_cache``: a decoder,
     whose KV heads must stay the same in every layer (one cache layout), so whole-KV-head removal stays uniform."""
@@ -251,7 +212,7 @@ class Plan:
     adaptive: bool
 
     @classmethod
-    def make(cls, spec: Spec, head_scores: list[Any], ch_scores: list[Any], num_heads: int, num_kv_heads: int,
+    def make(cls, spec: PruneSpec, head_scores: list[Any], ch_scores: list[Any], num_heads: int, num_kv_heads: int,
              head_size: int, kv_cache: bool) -> Plan:
         """Uniform (the default): the same count leaves every layer. Adaptive: the same total leaves the model,
         taken where the per-layer standardised scores are lowest (FLAP's across-layer structure); query heads by

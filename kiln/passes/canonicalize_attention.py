@@ -17,7 +17,13 @@ import onnx
 from onnx import helper
 
 from kiln.passes.base import Pass, PassResult, Reason
-from kiln.passes.fuse_attention import NoMatch, _perm, attention_candidates, match_explicit_chain, match_onnx_attention
+from kiln.passes.fuse_attention import (
+    NoMatch,
+    attention_candidates,
+    match_explicit_chain,
+    match_onnx_attention,
+    transpose_perm,
+)
 from kiln.passes.graph import Graph
 
 
@@ -88,7 +94,7 @@ class CanonicalizeAttention(Pass):
     def _chain(self, g: Graph, sm: onnx.NodeProto, stats: dict[str, int]) -> None:
         core = match_explicit_chain(g, sm)
         k_tr = g.producer.get(core.k)
-        if _perm(k_tr) != [0, 2, 3, 1] or len(g.consumers[k_tr.output[0]]) != 1:
+        if transpose_perm(k_tr) != [0, 2, 3, 1] or len(g.consumers[k_tr.output[0]]) != 1:
             raise NoMatch("K is not a (0,2,3,1) head-split transpose used only here")
         k = g.fresh(f"{core.k}_bhsd")
         add = [helper.make_node("Transpose", [k_tr.input[0]], [k], name=g.fresh("KHeads"), perm=[0, 2, 1, 3])]

@@ -49,7 +49,7 @@ class Core:
     extra_masks: tuple[str, ...] = ()  # further additive terms (T5: position bias, then the padding mask)
 
 
-def _perm(node: onnx.NodeProto | None) -> list[int] | None:
+def transpose_perm(node: onnx.NodeProto | None) -> list[int] | None:
     return list(attr(node, "perm", [])) if node is not None and node.op_type == "Transpose" else None
 
 
@@ -57,7 +57,7 @@ def match_head_split(g: Graph, value: str, transpose_k: bool = False) -> tuple[s
     """value = Transpose(Reshape(x3d), perm (0,2,1,3)) -> (x3d, [reshape, transpose])."""
     tr = g.producer.get(value)
     want = [0, 2, 3, 1] if transpose_k else [0, 2, 1, 3]
-    if _perm(tr) != want:
+    if transpose_perm(tr) != want:
         raise NoMatch(f"head split of {value} is not a Transpose {want}")
     rs = g.parent(tr, 0, "Reshape")
     if rs is None:
@@ -210,7 +210,7 @@ class FuseAttention(Pass):
             raise NoMatch("scores get several additive terms (a position bias); the 2-D padding mask cannot carry them")
         q = match_projection(g, core.q)
         k_tr = g.producer.get(core.k)
-        k = match_projection(g, core.k, transpose_k=_perm(k_tr) == [0, 2, 3, 1])
+        k = match_projection(g, core.k, transpose_k=transpose_perm(k_tr) == [0, 2, 3, 1])
         v = match_projection(g, core.v)
         if not (q.x == k.x == v.x):
             raise NoMatch("Q, K and V project different inputs (cross-attention)")
@@ -223,7 +223,7 @@ class FuseAttention(Pass):
         identity = _identity_head_reshape(g, core.out, q.nodes[-2], self.head_size)
         merge_tr = g.only_consumer(identity.output[0] if identity is not None else core.out, "Transpose")
         merge_rs = g.only_consumer(merge_tr.output[0], "Reshape") if merge_tr is not None else None
-        if _perm(merge_tr) != [0, 2, 1, 3] or merge_rs is None:
+        if transpose_perm(merge_tr) != [0, 2, 1, 3] or merge_rs is None:
             raise NoMatch("attention output is not merged back by Transpose(0,2,1,3) + Reshape")
         if core.mask is not None and g.ancestors_inputs(core.mask) - {self.mask_input, "input_ids", "token_type_ids"}:
             raise NoMatch(f"mask {core.mask} depends on inputs other than {self.mask_input}")

@@ -5,6 +5,9 @@ needs (primary context, stream, device memory, async copies). No torch, pycuda o
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -45,7 +48,12 @@ class CudaError(KilnError):
 
 class CudaDriver:
     """The few CUDA driver calls the backend needs (primary context, stream, device memory, async copies), through
-    ctypes: TensorRT runs in the device's primary context, the one the CUDA runtime uses too."""
+    ctypes: TensorRT runs in the device's primary context, the one the CUDA runtime uses too.
+
+    A CUDA context is current per thread, and a loaded model is called from any thread (the server's worker threads,
+    a scheduler's loop): every driver call here, and every TensorRT call the backend makes, runs inside
+    ``current()``, which pushes the context on the calling thread and pops it afterwards (once per thread when
+    nested)."""
 
     def __init__(self, device: int = 0) -> None:
         lib = _libcuda()
@@ -53,14 +61,30 @@ class CudaDriver:
             raise CudaError("backend tensorrt: no CUDA driver (libcuda) on this machine; install NVIDIA's driver, or use "
                             "backend onnxruntime-cpu")
         self.lib = lib
+        self._depth = threading.local()
         self._check(lib.cuInit(0), "cuInit")
         self.device = ctypes.c_int()
         self._check(lib.cuDeviceGet(ctypes.byref(self.device), device), "cuDeviceGet")
         self.context = ctypes.c_void_p()
         self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), self.device), "cuDevicePrimaryCtxRetain")
-        self._check(lib.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self.stream = ctypes.c_void_p()
-        self._check(lib.cuStreamCreate(ctypes.byref(self.stream), 0), "cuStreamCreate")
+        with self.current():
+            self._check(lib.cuStreamCreate(ctypes.byref(self.stream), 0), "cuStreamCreate")
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """The context current on the calling thread for the block (pushed and popped once per thread)."""
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            self._check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+        self._depth.n = depth + 1
+        try:
+            yield
+        finally:
+            self._depth.n = depth
+            if depth == 0:
+                popped = ctypes.c_void_p()
+                self._check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(popped)), "cuCtxPopCurrent")
 
     def _check(self, code: int, call: str) -> None:
         if code != 0:
@@ -70,22 +94,27 @@ class CudaDriver:
 
     def alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_uint64()
-        self._check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1))), "cuMemAlloc")
+        with self.current():
+            self._check(self.lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1))), "cuMemAlloc")
         return int(ptr.value)
 
     def free(self, ptr: int) -> None:
-        self._check(self.lib.cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree")
+        with self.current():
+            self._check(self.lib.cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree")
 
     def to_device(self, ptr: int, array: np.ndarray) -> None:
-        self._check(self.lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(ptr), array.ctypes.data_as(ctypes.c_void_p),
-                                                  ctypes.c_size_t(array.nbytes), self.stream), "cuMemcpyHtoDAsync")
+        with self.current():
+            self._check(self.lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(ptr), array.ctypes.data_as(ctypes.c_void_p),
+                                                      ctypes.c_size_t(array.nbytes), self.stream), "cuMemcpyHtoDAsync")
 
     def to_host(self, array: np.ndarray, ptr: int) -> None:
-        self._check(self.lib.cuMemcpyDtoHAsync_v2(array.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(ptr),
-                                                  ctypes.c_size_t(array.nbytes), self.stream), "cuMemcpyDtoHAsync")
+        with self.current():
+            self._check(self.lib.cuMemcpyDtoHAsync_v2(array.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(ptr),
+                                                      ctypes.c_size_t(array.nbytes), self.stream), "cuMemcpyDtoHAsync")
 
     def synchronize(self) -> None:
-        self._check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        with self.current():
+            self._check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     @property
     def stream_handle(self) -> int:
@@ -93,7 +122,8 @@ class CudaDriver:
 
     def close(self) -> None:
         if self.stream.value:
-            self.lib.cuStreamDestroy_v2(self.stream)
+            with self.current():
+                self.lib.cuStreamDestroy_v2(self.stream)
             self.stream = ctypes.c_void_p()
         if self.context.value:
             self.lib.cuDevicePrimaryCtxRelease_v2(self.device)

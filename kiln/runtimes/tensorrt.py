@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -49,6 +50,15 @@ from kiln.runtimes.engines import (
 
 INSTALL = ("pip install 'kiln[gpu]' on a machine with an NVIDIA GPU (the tensorrt-cu12 wheels come from NVIDIA's "
            "index: --extra-index-url https://pypi.nvidia.com)")
+
+
+log = logging.getLogger(__name__)
+
+
+def trt_logger(trt: Any) -> Any:
+    """TensorRT's logger at kiln's verbosity: its verbose log with ``kiln -v`` (debug logging), warnings otherwise;
+    TensorRT writes it to stderr."""
+    return trt.Logger(trt.Logger.VERBOSE if log.isEnabledFor(logging.DEBUG) else trt.Logger.WARNING)
 
 
 class EngineUnavailableError(KilnError):
@@ -115,7 +125,7 @@ def build(artifact: str | Path, precision: str | None = None, profile: str | Non
             say(f"engine {plan} is current for this GPU; reusing it (--force rebuilds)")
             return plan
     out.mkdir(exist_ok=True)
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = trt_logger(trt)
     builder = trt.Builder(logger)
     major = int(str(trt.__version__).split(".")[0])
     flags = 0 if major >= 11 else 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -140,7 +150,7 @@ def build(artifact: str | Path, precision: str | None = None, profile: str | Non
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise EngineBuildError(f"TensorRT {trt.__version__} could not build {graph} for compute capability "
-                               f"{wanted.compute_capability}; rerun with --verbose for TensorRT's log")
+                               f"{wanted.compute_capability}; rerun as kiln -v build-engine ... for TensorRT's verbose log")
     tmp = plan.with_suffix(".plan.tmp")
     tmp.write_bytes(bytes(serialized))
     tmp.replace(plan)
@@ -211,13 +221,13 @@ class TensorRTRuntime(Runtime):
         import tensorrt as trt
 
         self._cuda = CudaDriver()
-        logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(logger)
-        self._engine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
-        if self._engine is None:
-            raise ArtifactError(f"TensorRT {trt.__version__} could not deserialize {plan}; rebuild it with "
-                                "kiln build-engine --force")
-        self._context = self._engine.create_execution_context()
+        with self._cuda.current():
+            self._runtime = trt.Runtime(trt_logger(trt))
+            self._engine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
+            if self._engine is None:
+                raise ArtifactError(f"TensorRT {trt.__version__} could not deserialize {plan}; rebuild it with "
+                                    "kiln build-engine --force")
+            self._context = self._engine.create_execution_context()
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         self._inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._outputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
@@ -256,7 +266,7 @@ class TensorRTRuntime(Runtime):
         if problem:
             raise InputError(problem)
         wanted = [n for n in self._outputs if n not in device_outputs] if fetch is None else fetch
-        with self._lock:
+        with self._lock, self._cuda.current():  # the context is current per thread: push it on the calling one
             for name, array in arrays.items():
                 if not self._context.set_input_shape(name, array.shape):
                     raise InputError(f"TensorRT refused shape {list(array.shape)} for input {name}")
@@ -281,7 +291,8 @@ class TensorRTRuntime(Runtime):
                 if name in wanted:
                     out[name] = host
             if not self._context.execute_async_v3(self._cuda.stream_handle):
-                raise ArtifactError(f"TensorRT failed to execute {self.plan}; rerun with KILN_LOG=debug for its log")
+                raise ArtifactError(f"TensorRT failed to execute {self.plan}; rerun with kiln -v (or "
+                                    "logging at DEBUG) for TensorRT's verbose log")
             for name, array in out.items():
                 self._cuda.to_host(array, self._buffers[name][0])
             self._cuda.synchronize()
@@ -293,10 +304,11 @@ class TensorRTRuntime(Runtime):
     def close(self) -> None:
         with self._lock:
             if self._cuda is not None:
-                for ptr, _ in self._buffers.values():
-                    self._cuda.free(ptr)
-                self._buffers = {}
-                self._context = self._engine = self._runtime = None
+                with self._cuda.current():
+                    for ptr, _ in self._buffers.values():
+                        self._cuda.free(ptr)
+                    self._buffers = {}
+                    self._context = self._engine = self._runtime = None
                 self._cuda.close()
                 self._cuda = None
 

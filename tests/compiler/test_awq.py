@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 
-import numpy as np
 import pytest
 import torch
 from conftest import fast_options

@@ -296,12 +296,13 @@ def test_export_then_import_gives_the_same_codes(tmp_path, checkpoints):
     assert ckpt.imported["layers"] == 2 * 7
     # the exported codes are kiln's: re-solving the original checkpoint gives them back bit for bit
     from kiln.compiler.build import model_facts
-    from kiln.compiler.quantize.int8 import Driver
+    from kiln.compiler.options import int4_defaults
+    from kiln.compiler.quantize.driver import QuantDriver
 
     src = load_checkpoint(checkpoints["llama"])
-    driver = Driver(src, model_facts(src), fast_options(precision="int4", group_size=16, mixed_bits=False),
-                    lambda m: None)  # export-gptq's recipe: one width
-    driver._gptq()
+    options = int4_defaults(src.kind, fast_options(precision="int4", group_size=16, mixed_bits=False))
+    driver = QuantDriver(src, model_facts(src), options, lambda m: None)  # export-gptq's recipe: one width
+    driver.solve_gptq()
     for name, q in driver.named.items():
         mine = from_gptq(to_gptq(q), 4, 16, True, True, name)  # fp16 scales, as the checkpoint stores them
         assert any(np.array_equal(e.codes, mine.codes) and np.array_equal(e.scales, mine.scales)

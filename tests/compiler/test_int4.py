@@ -20,7 +20,8 @@ from kiln.compiler import compile, trace
 from kiln.compiler.build import EXACT_SESSION, exact_copy, model_facts
 from kiln.compiler.load import load_checkpoint
 from kiln.compiler.manifest import write as write_manifest
-from kiln.compiler.quantize.int8 import Driver
+from kiln.compiler.options import int4_defaults
+from kiln.compiler.quantize.driver import QuantDriver
 from kiln.compiler.verify import cases
 from kiln.compiler.verify.parity import TOLERANCES, verify
 from kiln.passes.check_tensorrt import problems
@@ -111,8 +112,8 @@ def reverify(ckpt_path, artifact, tmp_path, mutate) -> tuple[dict, dict]:
     data = json.loads((out / "manifest.json").read_text())
     data.pop("files")
     ckpt = load_checkpoint(ckpt_path)
-    options = fast_options(precision="int4", quant_method="rtn", group_size=32)
-    fake = Driver(ckpt, model_facts(ckpt), options, lambda m: None).fake_quantized()
+    options = int4_defaults(ckpt.kind, fast_options(precision="int4", quant_method="rtn", group_size=32))
+    fake = QuantDriver(ckpt, model_facts(ckpt), options, lambda m: None).fake_quantized()
     inputs = [s.name for s in trace.io_specs(ckpt)[0]]
     feeds = cases.text_cases(ckpt, inputs) + cases.random_cases(ckpt, inputs, 128, 0)
     exact = exact_copy(out)
@@ -215,8 +216,8 @@ def test_encoder_int4_rtn(checkpoints, tmp_path):
     (["--group-size", "48"], "power of two"),
     (["--group-size", "8"], "power of two"),
     (["--group-size", "256"], "larger than the smallest layer input"),
-    (["--quant-method", "hqq"], "unknown"),
-    (["--lm-head", "fp16"], "unknown"),
+    (["--quant-method", "hqq"], "invalid choice"),
+    (["--lm-head", "fp16"], "invalid choice"),
     (["--asym", "--target", "tensorrt"], "symmetric INT4 only"),
     (["--mixed-bits", "--quant-method", "rtn"], "needs a solver"),
     (["--mixed-bits", "--target", "tensorrt"], "needs a solver"),

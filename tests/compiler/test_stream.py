@@ -207,16 +207,16 @@ def test_planted_reference_bug_fails(sharded, tmp_path, monkeypatch):
 def test_planted_codes_bug_fails(sharded, tmp_path, monkeypatch):
     """One Linear the reference does not quantize (the artifact does): the codes check catches it."""
     from kiln.compiler import compile
-    from kiln.compiler.quantize import int8
+    from kiln.compiler.quantize import driver as driver_lib
     from kiln.errors import ParityError
 
-    real = int8.Driver.codes_transform
+    real = driver_lib.QuantDriver.codes_transform
 
     def planted(self):
         transform = real(self)
         return lambda name, value: value if name.endswith("layers.1.mlp.down_proj.weight") else transform(name, value)
 
-    monkeypatch.setattr(int8.Driver, "codes_transform", planted)
+    monkeypatch.setattr(driver_lib.QuantDriver, "codes_transform", planted)
     with pytest.raises(ParityError, match="fake-quantized"):
         compile(sharded, tmp_path / "bad", fast_options(stream=True, precision="int4", quant_method="rtn"))
 

@@ -140,8 +140,14 @@ def test_cli_run(artifacts, capsys):
     assert main(["run", str(artifacts["llama"]), "--text", "def f(x):", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["next_token"][0]) == 5 and out["shapes"]["logits"][2] == 128
-    assert main(["run", str(artifacts["roberta"]), "--ids", "2,5,6,3"]) == 0
-    assert "neutral" in capsys.readouterr().out
+    # the labels in the model's own order, each with its softmax probability (a wrong order or label map fails)
+    with kr.load(artifacts["roberta"]) as model:
+        logits = model.run({"input_ids": np.array([[2, 5, 6, 3]], np.int64)})["logits"][0].astype(np.float64)
+    p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    names = {0: "neg", 1: "neutral", 2: "pos"}
+    want = ", ".join(f"{names[int(i)]!r} {p[i]:.3f}" for i in np.argsort(-p)[:2])
+    assert main(["run", str(artifacts["roberta"]), "--ids", "2,5,6,3", "--top", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "[0] labels: " + want
     assert main(["run", str(artifacts["bert"]), "--ids", "1,x"]) == 2
     assert main(["run", str(artifacts["bert"]), "--text", "The cat sat. " * 50]) == 1
     assert "--truncate" in capsys.readouterr().err

@@ -50,8 +50,8 @@ def fake_quantize(w: Any, settings: gptq.Settings) -> Any:
     pad = (-k) % g
     wp = torch.nn.functional.pad(w, (0, pad)) if pad else w
     groups = wp.reshape(-1, g)
-    scale, zero = gptq._grid_params(groups, settings.bits, settings.grid, False)
-    q = (gptq._codes(groups, scale, zero, (1 << settings.bits) - 1) - zero[:, None]) * scale[:, None]
+    scale, zero = gptq.grid_params(groups, settings.bits, settings.grid, False)
+    q = (gptq.round_codes(groups, scale, zero, (1 << settings.bits) - 1) - zero[:, None]) * scale[:, None]
     return q.reshape(n, k + pad)[:, :k]
 
 
@@ -120,10 +120,10 @@ def scale_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: gpt
     hidden = [h for h, _, _ in states]
     rest = [(a, kw) for _, a, kw in states]
     with torch.no_grad():
-        stages = gptq._stages(block, linears, hidden[0], rest[0])
+        stages = gptq.solve_stages(block, linears, hidden[0], rest[0])
         inputs, producers = _observe(block, linears, stages, hidden, rest)
         modules = dict(block.named_modules())
-        reference = gptq._first(block(hidden[0], *rest[0][0], **rest[0][1]))
+        reference = gptq.first_output(block(hidden[0], *rest[0][0], **rest[0][1]))
         for stage in stages:
             summary["groups"] += 1
             where = prefix + "/".join(stage)
@@ -138,7 +138,7 @@ def scale_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: gpt
                 summary["unscaled"][where] = "no exponent beat the unscaled weights"
                 continue
             undo = _apply(modules, stage, fold, s)
-            out = gptq._first(block(hidden[0], *rest[0][0], **rest[0][1]))
+            out = gptq.first_output(block(hidden[0], *rest[0][0], **rest[0][1]))
             change = float((out - reference).abs().max() / reference.abs().max().clamp(min=1e-12))
             if change > EQUIVALENCE:
                 undo()
@@ -148,7 +148,7 @@ def scale_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: gpt
             summary["alphas"].append(round(a, 2))
             summary["error_ratio"].append(round(err / max(base, 1e-30), 4))
         for j, (h, (a, kw)) in enumerate(zip(hidden, rest)):
-            states[j] = (gptq._first(block(h, *a, **kw)), a, kw)
+            states[j] = (gptq.first_output(block(h, *a, **kw)), a, kw)
 
 
 def _weight_nk(m: Any) -> Any:

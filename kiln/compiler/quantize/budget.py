@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from kiln.compiler.options import parse_max_drop
 from kiln.compiler.verify import metrics
 from kiln.errors import KilnError, UsageError
 from kiln.passes.quantize_int8 import candidates
@@ -65,33 +66,12 @@ class Budget:
         return next_token_metrics(ref, got, feeds)[self.metric]
 
 
-# metric -> (model kind it applies to, what it means)
-METRICS = {"cosine": ("encoder", "minimum pooled-output cosine vs FP32, e.g. cosine=0.995"),
-           "ppl": ("decoder", "perplexity increase in percent, e.g. ppl=2"),
-           "top1": ("decoder", "next-token top-1 agreement with FP32, e.g. top1=0.98"),
-           "kl": ("decoder", "mean next-token KL divergence from FP32, e.g. kl=0.01")}
-
-
 LABELS = {"cosine": "minimum cosine", "ppl": "perplexity increase (%)", "top1": "top-1 agreement", "kl": "mean KL"}
 
 
 def parse_budget(text: str, kind: str | None = None) -> Budget:
-    metric, _, value = text.partition("=")
-    if metric not in METRICS or not value:
-        choices = "; ".join(f"{m}=VALUE ({kind_}: {what})" for m, (kind_, what) in METRICS.items())
-        raise UsageError(f"--max-drop {text!r}: give one of {choices}")
-    try:
-        v = float(value)
-    except ValueError as e:
-        raise UsageError(f"--max-drop {text!r}: {value!r} is not a number") from e
-    if metric in ("cosine", "top1") and not 0 < v <= 1:
-        raise UsageError(f"--max-drop {text!r}: a {metric} must be in (0, 1]")
-    if metric in ("ppl", "kl") and not v >= 0:
-        raise UsageError(f"--max-drop {text!r}: a {metric} increase cannot be negative")
-    if kind is not None and METRICS[metric][0] != kind:
-        fits = ", ".join(m for m, (k, _) in METRICS.items() if k == kind) or "none"
-        raise UsageError(f"--max-drop {metric} is measured on {METRICS[metric][0]}s; for this {kind} use {fits}")
-    return Budget(metric, v)
+    """``--max-drop`` (checked in ``kiln.compiler.options``) as the budget the search holds."""
+    return Budget(*parse_max_drop(text, kind))
 
 
 def next_token_metrics(ref: list[np.ndarray], got: list[np.ndarray], feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:

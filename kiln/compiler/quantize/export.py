@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.artifact import check_output, staging
-from kiln.compiler.build import _check_options, model_facts
+from kiln.compiler.build import model_facts
 from kiln.compiler.load import load_checkpoint
+from kiln.compiler.options import check, int4_defaults
+from kiln.compiler.quantize import gptq
+from kiln.compiler.quantize.driver import QuantDriver
 from kiln.compiler.quantize.gptq_format import write_v1
-from kiln.compiler.quantize.int8 import Driver, check_group_size
 from kiln.compiler.scoped import torch_threads
 from kiln.errors import UsageError
 
@@ -20,7 +22,7 @@ def export(checkpoint: str | Path, output: str | Path, options: Any, say: Any) -
     """``kiln export-gptq``: GPTQ (kiln's solver, ``options``' group size, act-order, symmetry, calibration) on
     the checkpoint, written as a GPTQ v1 checkpoint at ``output`` (staged, renamed at the end)."""
     options = replace(options, precision="int4", quant_method="gptq", mixed_bits=False)  # GPTQ v1: one width
-    _check_options(options)
+    check(options)
     if options.target != "cpu":
         raise UsageError("export-gptq writes a checkpoint, not a target graph; drop --target")
     output = Path(output).absolute()
@@ -31,10 +33,11 @@ def export(checkpoint: str | Path, output: str | Path, options: Any, say: Any) -
         raise UsageError(f"{checkpoint} is already quantized ({ckpt.imported['format']}); export-gptq takes an FP checkpoint")
     if ckpt.tokenizer is None:
         raise UsageError(f"GPTQ calibrates on text read through the checkpoint's tokenizer; {ckpt.path} has none")
-    check_group_size(ckpt, options)
+    gptq.check_group_size(ckpt.model, options.group_size, ckpt.path)
+    options = int4_defaults(ckpt.kind, options)
     with staging(output, options.force) as root, torch_threads(options.threads):
-        driver = Driver(ckpt, model_facts(ckpt), options, say)
-        driver._gptq()
+        driver = QuantDriver(ckpt, model_facts(ckpt), options, say)
+        driver.solve_gptq()
         # the solver ran on a copy; write the original model with the solved layers replaced by their codes
         qinfo = {"quant_method": "gptq", "bits": 4, "group_size": options.group_size or -1,
                  "desc_act": bool(options.act_order), "sym": not options.asym, "true_sequential": True,

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.errors import UsageError
 from kiln.passes.quantize_nbits import Codebook, Quantized, half_exact
 
 Progress = Callable[[str], None]
@@ -79,7 +80,7 @@ def more_bits_linears(stages: list[list[str]]) -> set[str]:
     return chosen
 
 
-def _grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
+def grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
     """Scale and zero point (float, per row) for a group of columns ``w`` (N, g), torch float32: the pass's
     ``rtn`` grids, with an optional search over shrunk ranges."""
     import torch
@@ -124,14 +125,14 @@ def _half_exact(scale: Any, grid: str) -> Any:
     return torch.from_numpy(half_exact(scale.numpy(), grid))
 
 
-def _codes(w: Any, scale: Any, zero: Any, top: int) -> Any:
+def round_codes(w: Any, scale: Any, zero: Any, top: int) -> Any:
     import torch
 
     return torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, top)
 
 
 def _qerror(w: Any, scale: Any, zero: Any, top: int) -> Any:
-    q = (_codes(w, scale, zero, top) - zero[:, None]) * scale[:, None]
+    q = (round_codes(w, scale, zero, top) - zero[:, None]) * scale[:, None]
     return ((q - w) ** 2).sum(1)
 
 
@@ -178,11 +179,11 @@ def solve(weight: Any, hessian: Any | None, s: Settings, own: bool = False) -> t
     static = perm is not None and s.static_groups and not per_row
     step = LAZY_BLOCK if per_row or static or LAZY_BLOCK % gs == 0 else gs  # a group never straddles two lazy blocks
     if per_row:  # one group per row: parameters from the whole row before any update (the reference's choice)
-        scales[:, 0], zeros[:, 0] = _grid_params(w, s.bits, s.grid, s.mse)
+        scales[:, 0], zeros[:, 0] = grid_params(w, s.bits, s.grid, s.mse)
     if static:  # groups in the input order, parameters from the original weights (GPTQ's static_groups)
         original = w[:, torch.argsort(perm)]
         for g in range(blocks):
-            scales[:, g], zeros[:, g] = _grid_params(original[:, g * gs:(g + 1) * gs], s.bits, s.grid, s.mse)
+            scales[:, g], zeros[:, g] = grid_params(original[:, g * gs:(g + 1) * gs], s.bits, s.grid, s.mse)
         group_of = (perm // gs).tolist()  # solved column j belongs to input perm[j]'s group
     # the column loop runs on the transpose: each column of W is a contiguous row, so the per-column rank-1 updates
     # stream through memory (an (N, 128) block sliced by column was strided: 2.4x slower at N = 14336)
@@ -196,10 +197,10 @@ def solve(weight: Any, hessian: Any | None, s: Settings, own: bool = False) -> t
         for i in range(i2 - i1):
             col = i1 + i
             if not per_row and not static and col % gs == 0:  # the group's parameters from its weights as updated so far
-                scales[:, col // gs], zeros[:, col // gs] = _grid_params(w1[i:i + gs].T, s.bits, s.grid, s.mse)
+                scales[:, col // gs], zeros[:, col // gs] = grid_params(w1[i:i + gs].T, s.bits, s.grid, s.mse)
             g = group_of[col] if static else col // gs
             sc, zp = scales[:, g], zeros[:, g]
-            q = _codes(w1[i, :, None], sc, zp, top)[:, 0]
+            q = round_codes(w1[i, :, None], sc, zp, top)[:, 0]
             codes_t[col] = q
             if hinv is None:
                 continue
@@ -355,7 +356,7 @@ def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: 
     rest = [(a, kw) for _, a, kw in states]
     more = settings.more_bits and layer is not None and more_bits_layer(*layer)
     with torch.no_grad():
-        stages = _stages(block, linears, hidden[0], rest[0]) if settings.method == "gptq" or more else [list(linears)]
+        stages = solve_stages(block, linears, hidden[0], rest[0]) if settings.method == "gptq" or more else [list(linears)]
         wider = replace(settings, bits=settings.more_bits) if more else settings
         promoted = more_bits_linears(stages) if more else set()
         if settings.method != "gptq":
@@ -386,7 +387,7 @@ def quantize_block(block: Any, states: list[tuple[Any, tuple, dict]], settings: 
                 solved(name, original, q)
         if feed:
             for j, (h, (a, kw)) in enumerate(zip(hidden, rest)):
-                states[j] = (_first(block(h, *a, **kw)), a, kw)
+                states[j] = (first_output(block(h, *a, **kw)), a, kw)
     return len(linears)
 
 
@@ -489,7 +490,7 @@ def _stop_after(module: Any, args: tuple, out: Any) -> None:
     raise _Stop
 
 
-def _stages(block: Any, linears: dict[str, Any], hidden: Any, rest: tuple[tuple, dict]) -> list[list[str]]:
+def solve_stages(block: Any, linears: dict[str, Any], hidden: Any, rest: tuple[tuple, dict]) -> list[list[str]]:
     """The block's Linears in the order its forward runs them, grouped by the input they share (Q/K/V; gate/up):
     each stage is solved on inputs produced by the stages before it already quantized (GPTQ's true-sequential)."""
     import torch
@@ -530,5 +531,15 @@ def in_features(m: Any) -> int:
     return m.in_features if hasattr(m, "in_features") else m.weight.shape[0]
 
 
-def _first(out: Any) -> Any:
+def first_output(out: Any) -> Any:
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def check_group_size(model: Any, group_size: int, where: str | Path) -> None:
+    """INT4's group size fits every layer of ``model`` (read from ``where``): checked once the model is loaded,
+    before anything is traced."""
+    g = group_size
+    smallest = min((in_features(m) for m in model.modules() if is_linear(m)), default=None)
+    if g and smallest is not None and g > smallest:
+        raise UsageError(f"--group-size {g} is larger than the smallest layer input ({smallest} features) of "
+                         f"{where}; give --group-size {1 << (smallest.bit_length() - 1)} or less")

@@ -1,6 +1,7 @@
-"""The INT8 driver: builds a recipe's calibrated stages (SmoothQuant, outlier splitting, the quantizer)
-from calibration text run through the graph each receives, and runs the accuracy-budget search around
-the quantizer.
+"""The quantization driver (INT8, INT4 and the solvers behind it): builds a recipe's calibrated stages
+(SmoothQuant, outlier splitting, the quantizer) from calibration text run through the graph each receives, runs
+AWQ's scales and GPTQ's solver on the eager model for INT4, and runs the accuracy-budget search around the
+quantizer.
 
 The passes only see the statistics and choices (they never run a model); this module runs ONNX
 Runtime on the intermediate graphs. Every INT8 compile calibrates (default text: Python docs
@@ -22,11 +23,10 @@ import onnx
 from kiln.compiler import corpus
 from kiln.compiler.layerwise import LayerStream
 from kiln.compiler.load import Checkpoint
-from kiln.compiler.options import AWQ_METHODS, SOLVED_METHODS, CompileOptions, int4_defaults
+from kiln.compiler.options import AWQ_METHODS, SOLVED_METHODS, CompileOptions
 from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, precision_mode
-from kiln.compiler.quantize import awq
+from kiln.compiler.quantize import awq, gptq
 from kiln.compiler.quantize import budget as budget_lib
-from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.calibrate import GraphRunner, text_batches
 from kiln.errors import CheckpointError, UsageError
 from kiln.passes import run_passes
@@ -52,12 +52,12 @@ def needs_data(options: CompileOptions) -> bool:
         options.smoothquant is not None or options.max_drop or options.calibration)
 
 
-class Driver:
-    """One per compile: reads and splits the calibration text once, measures each graph it is handed."""
+class QuantDriver:
+    """One per compile: reads and splits the calibration text once, measures each graph it is handed. ``options``
+    as the compile resolved them (``options.int4_defaults`` applied)."""
 
     def __init__(self, ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, say: Progress) -> None:
-        self.ckpt, self.facts, self.options, self.say = ckpt, facts, int4_defaults(facts.kind, options), say
-        options = self.options
+        self.ckpt, self.facts, self.options, self.say = ckpt, facts, options, say
         self.budget = budget_lib.parse_budget(options.max_drop, facts.kind) if options.max_drop else None
         self.run_graph = GraphRunner(facts, options.threads)
         self.cal: list[dict] | None = None
@@ -193,7 +193,7 @@ class Driver:
             if self.ckpt.codebook is not None:
                 data.given = self.ckpt.codebook
             elif self.options.quant_method in SOLVED_METHODS:
-                data.given = self._gptq()
+                data.given = self.solve_gptq()
         if not stage.quantizer or name == "quantize-qdq":
             stats = self.statistics(model)
             data.channel_absmax = {n: s.channel_absmax for n, s in stats.items()}
@@ -414,7 +414,7 @@ class Driver:
         self.awq_info = {"windows": n, "source": self.options.calibration or "(default Python docs sentences)",
                          "exponents": awq.GRID, "tokens_per_group": awq.TOKENS, **summary}
 
-    def _gptq(self) -> Codebook:
+    def solve_gptq(self) -> Codebook:
         """GPTQ on a copy of the eager model (the original stays FP32 for verification), on windows of the
         calibration text; cached for the compile (one codebook per model)."""
         if self._codebook is not None:
@@ -488,15 +488,6 @@ class Driver:
         self.say(f"{self.options.precision} budget: {promoted}{len(result['kept_fp32'])} of {result['weights']} weights "
                  f"kept FP32; held-out {m} {result[f'heldout_{m}']:.5f} (budget {self.budget.value})")
         return result
-
-
-def check_group_size(ckpt: Checkpoint, options: CompileOptions) -> None:
-    """INT4's group size fits every layer: checked once the model is loaded, before anything is traced."""
-    g = options.group_size
-    smallest = min((gptq.in_features(m) for m in ckpt.model.modules() if gptq.is_linear(m)), default=None)
-    if g and smallest is not None and g > smallest:
-        raise UsageError(f"--group-size {g} is larger than the smallest layer input ({smallest} features) of "
-                         f"{ckpt.path}; give --group-size {1 << (smallest.bit_length() - 1)} or less")
 
 
 def cost_and_gain(record: list[dict[str, Any]], report: dict[str, Any]) -> dict[str, Any] | None:
