@@ -9,12 +9,12 @@ PYTEST_ARGS ?=
 
 ANCHOR_VENV ?= .venv-anchor
 
-.PHONY: install demo test typecheck gpu-check bench anchor-venv clean
+.PHONY: install demo test typecheck docs gpu-check bench anchor-venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,serve,dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,serve,dev,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,8 +22,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-test: $(STAMP) typecheck
+test: $(STAMP) typecheck docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the documentation site (mkdocs.yml -> site/), offline, warnings as errors; part of make test
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # mypy over the TensorRT modules against the public tensorrt-stubs (no GPU needed); part of make test
 typecheck: $(STAMP)
@@ -53,4 +57,4 @@ bench: $(STAMP) $(ANCHOR_VENV)/.installed
 	$(PY) tools/load_serve.py
 
 clean:
-	rm -rf demo-out .pytest_cache
+	rm -rf demo-out .pytest_cache site

@@ -1,7 +1,7 @@
 """The package's shape, read from the source (every import, at the top of a module or inside a function):
 the layers import only downwards, no module imports another module's private names, and no import circle exists.
 
-Layers (README, Layout): ``kiln.runtimes`` is what an edge app installs without torch, so it imports neither the
+Layers (README and docs/layout.md): ``kiln.runtimes`` is what an edge app installs without torch, so it imports neither the
 compiler nor a pass; passes transform graphs and never import the compiler or a runtime; the server is built on
 the runtime alone; the compiler never imports the layers that use it (evaluate, serve, the CLI)."""
 

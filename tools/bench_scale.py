@@ -9,7 +9,7 @@ decode at batch 1 (64-token prompt, 64 new tokens, greedy), and the peak RSS of 
 
 ``int4`` is the default INT4 method (GPTQ, calibrated on the default text through SmolLM2's tokenizer, which the
 checkpoints get: its vocabulary is the 1.1B shape's). With ``--llama-cpp`` (a llama.cpp source tree with
-``build/bin/llama-bench`` and ``llama-quantize``; see README, Large checkpoints) the 1.1B checkpoint is also
+``build/bin/llama-bench`` and ``llama-quantize``; see docs/streaming.md) the 1.1B checkpoint is also
 converted (``convert_hf_to_gguf.py``, F16; it needs ``sentencepiece``), quantized to Q4_K_M, and decoded with
 ``llama-bench -p 64 -n 64 -d 64`` in the same run; the GGUF files are cached beside the checkpoints.
 

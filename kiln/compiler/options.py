@@ -298,7 +298,7 @@ def int4_defaults(kind: str, options: CompileOptions) -> CompileOptions:
     sequence of 128 the kernel is a GEMM, where FP32 activations cost nothing). Decoders: symmetric, int8
     activations per block (decode is a GEMV: level 4 is the fast one), and with a solver on the CPU mixed widths
     (SmolLM2-135M GPTQ, llama-perplexity's protocol: +9.3% -> +5.8% over FP32 at 99.6 -> 100.4 MiB, decode
-    1.04x -> 0.95x llama.cpp Q4_K_M's; README, INT4)."""
+    1.04x -> 0.95x llama.cpp Q4_K_M's; docs/int4.md)."""
     encoder_cpu = kind == "encoder" and options.target == "cpu" and options.precision == "int4"
     asym = options.asym if options.asym is not None else encoder_cpu
     level = options.accuracy_level if options.accuracy_level is not None else 0 if encoder_cpu else 4

@@ -142,7 +142,7 @@ STAGES: dict[str, Stage] = {
 HEAD_BITS = {"fp32": 0, "int8": 8, "int4": 4}
 KV_IO = ("past_key_values.", "present.")
 DEFAULT_LM_HEAD = "int8"
-"""INT4's lm_head and embedding table: SmolLM2-135M held-out perplexity (README, INT4) int8 costs next to
+"""INT4's lm_head and embedding table: SmolLM2-135M held-out perplexity (docs/int4.md) int8 costs next to
 nothing over FP32 and keeps the artifact under 0.3x; int4 there costs several points."""
 HEAD_BLOCK = 64
 """Block of an 8-bit lm_head and embedding table under INT4: 64 (FP16 scales: 8.25 bits per weight) rather than 32
@@ -152,7 +152,7 @@ HEAD_BLOCK = 64
 INT8_BLOCK = 128
 """Decoders' INT8 (8-bit MatMulNBits, outlier channels split off): SmolLM2-135M blocks of 16 / 64 / 128 measured
 held-out perplexity +0.1% / +0.58% / +0.92% over FP32, worst logit-row cosine 0.9953 / 0.9860 / 0.9849 (parity
-bound 0.98) and decode 110 / 137 / 146 tok/s against FP32's 70 in one run (README, INT8): the only block size that
+bound 0.98) and decode 110 / 137 / 146 tok/s against FP32's 70 in one run (docs/int8.md): the only block size that
 decodes at 2x FP32 inside +1% perplexity. Without the outlier split 128 decodes at 170 but fails parity (0.93)."""
 
 
@@ -187,7 +187,7 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
     ("cpu", "decoder", "fp32"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", "logits-to-keep", "eliminate-dead-nodes"),
     # blocked 8-bit kernel (MatMulNBits), tied lm_head included; outliers split: at block 128 SmolLM2's worst row
-    # cosine is 0.9849 with, 0.93 without (parity fails), for 146 vs 170 tok/s (README, INT8)
+    # cosine is 0.9849 with, 0.93 without (parity fails), for 146 vs 170 tok/s (docs/int8.md)
     ("cpu", "decoder", "int8"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", *INT8, "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
     ("cpu", "decoder", "int8-static"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",

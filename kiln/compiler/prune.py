@@ -14,7 +14,7 @@ applies); when a group holds one query head the whole KV head goes with it.
 Per-layer counts: by default the same count leaves every layer. ``--prune-layers adaptive`` takes the same
 total where FLAP's per-layer standardised scores are lowest across the model (FLAP's structure search), so
 layers keep different head and channel counts (recorded per layer; the fusion passes read them). Measured on
-the two real models here it costs more than uniform counts (README, Pruning), hence not the default. A decoder
+the two real models here it costs more than uniform counts (docs/pruning.md), hence not the default. A decoder
 whose KV groups hold one query head keeps uniform head counts (one KV-cache layout for every layer).
 
 Families: BERT-style encoders (``attention.self.query/key/value``, ``attention.output.dense``,

@@ -1,6 +1,6 @@
 """When a compile streams its checkpoint (``--stream``), and how a streamed artifact is verified.
 
-Streaming (see README, Large checkpoints) keeps the weights on disk from the checkpoint to the artifact: the
+Streaming (see docs/streaming.md) keeps the weights on disk from the checkpoint to the artifact: the
 loader builds an empty shell (``lazy``), the trace writes external data (``trace_stream``), passes read and spill
 through ``kiln.passes.weights``, and verification here runs the layer-by-layer reference
 (``verify.streamed``), twice for INT4 (FP32 floor, then the codes through an FP32-activation copy of the graph).

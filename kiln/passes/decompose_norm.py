@@ -3,7 +3,7 @@
 Why un-fuse: ONNX Runtime's CPU (Skip)LayerNormalization kernel runs at about 4 ns per element
 on the reference machine (100 us for one 128x384 row block, 2 threads) while the same math as
 ReduceMean/Sub/Mul/Sqrt/Reciprocal/Add runs 2.9x (batch 1) to 5x (batch 8) faster
-(tools/bench_encoder.py, docs in the README). The square is a Mul, not a Pow, so ONNX Runtime's
+(tools/bench_encoder.py, docs/passes.md). The square is a Mul, not a Pow, so ONNX Runtime's
 LayerNormFusion does not put the slow kernel back. Numerics: the same two-pass FP32 formula.
 """
 
