@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError
+from kiln.runtimes.schema import first_error
 
 log = logging.getLogger(__name__)
 
@@ -112,79 +113,24 @@ def read_manifest(root: str | Path, verify_files: bool = True) -> Manifest:
     return Manifest(root, data)
 
 
-_DTYPES = ("int64", "int32", "float32", "float16", "bool")
-_DEFAULTS = (None, "ones", "zeros", "empty")
-
-
-def _is_int(v: Any, low: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def _tensor_problem(where: str, t: Any) -> str | None:
-    if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-        return f"{where} is not a tensor with a name"
-    if t.get("dtype") not in _DTYPES:
-        return f"{where} {t['name']} has dtype {t.get('dtype')!r}"
-    shape = t.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(d, 1) or (isinstance(d, str) and d) for d in shape):
-        return f"{where} {t['name']} has shape {shape!r}"
-    if not isinstance(t.get("optional", False), bool) or t.get("default") not in _DEFAULTS:
-        return f"{where} {t['name']} has optional/default {t.get('optional')!r}/{t.get('default')!r}"
-    return None
-
-
 def malformed(data: dict[str, Any]) -> str | None:
-    """The first structural problem of a manifest (the sections the runtime reads), or None: a damaged manifest
-    is refused with one line at load instead of failing later deep inside a run."""
-    m = data.get("model")
-    if not isinstance(m, dict) or m.get("kind") not in ("encoder", "decoder", "seq2seq") or \
-            not isinstance(m.get("task"), str) or not _is_int(m.get("max_sequence_length"), 1):
-        return "model needs kind (encoder/decoder/seq2seq), task and max_sequence_length"
-    if m.get("vocab_size") is not None and not _is_int(m["vocab_size"], 1):
-        return f"model.vocab_size {m['vocab_size']!r}"
-    for section in ("inputs", "outputs"):
-        if not isinstance(data[section], list) or not data[section]:
-            return f"{section} is not a non-empty list"
-        for t in data[section]:
-            problem = _tensor_problem(section[:-1], t)
-            if problem:
-                return problem
-    graphs = data["graphs"]
-    want = {"encoder", "decoder"} if m["kind"] == "seq2seq" else {"model"}
-    if not isinstance(graphs, dict) or set(graphs) != want or not all(
-            isinstance(v, str) and v and "/" not in v and "\\" not in v for v in graphs.values()):
-        return f"graphs {graphs!r} (expected {sorted(want)} -> file names)"
-    files = data["files"]
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-        return "files is not a {path: sha256} table"
-    tok = data.get("tokenizer")
-    if tok is not None and (not isinstance(tok, dict) or not isinstance(tok.get("file"), str)):
-        return "tokenizer has no file"
-    if tok is not None and not all(tok.get(k) is None or _is_int(tok[k]) for k in ("pad_token_id", "eos_token_id",
-                                                                                   "bos_token_id")):
-        return "tokenizer token ids are not integers"
-    if tok is not None and tok.get("chat_template") is not None and not isinstance(tok["chat_template"], str):
-        return "tokenizer.chat_template is not a file name"
-    kv = data.get("kv_cache")
-    if kv is not None:
-        if not isinstance(kv, dict) or not all(_is_int(kv.get(k), 1)
-                                               for k in ("num_kv_heads", "head_size", "capacity")):
-            return "kv_cache needs num_kv_heads, head_size and capacity"
-        names = [kv.get("past"), kv.get("present")] + ([kv["cross"]] if "cross" in kv else [])
-        if not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in names) or \
-                len(kv["past"]) != len(kv["present"]):
-            return "kv_cache past/present are not matching lists of names"
-        if kv.get("logits_to_keep") is not None and not isinstance(kv["logits_to_keep"], str):
-            return "kv_cache.logits_to_keep is not an input name"
-    gen = data.get("generation")
-    if gen is not None:
-        if not isinstance(gen, dict) or not isinstance(gen.get("eos_token_ids", []), list) or \
-                not all(_is_int(e) for e in gen.get("eos_token_ids", [])) or not _is_int(gen.get("pad_token_id", 0)):
-            return "generation needs integer eos_token_ids and pad_token_id"
-        if m["kind"] == "seq2seq" and not _is_int(gen.get("decoder_start_token_id")):
-            return "generation.decoder_start_token_id is not an integer"
-    if m["kind"] == "seq2seq" and (kv is None or "cross" not in kv or gen is None):
+    """The first structural problem of a manifest, or None: a damaged manifest is refused with one line at load
+    instead of failing later deep inside a run. First the JSON Schema (``manifest.schema.json``: types, ranges,
+    names), then the rules that relate one section to another, which a schema does not express."""
+    problem = first_error(data)
+    if problem:
+        return problem
+    kind = data["model"]["kind"]
+    want = {"encoder", "decoder"} if kind == "seq2seq" else {"model"}
+    if set(data["graphs"]) != want:
+        return f"graphs {sorted(data['graphs'])} (a {kind} has {sorted(want)})"
+    kv, gen = data.get("kv_cache"), data.get("generation")
+    if kv is not None and len(kv["past"]) != len(kv["present"]):
+        return f"kv_cache has {len(kv['past'])} past names but {len(kv['present'])} present names"
+    if kind == "seq2seq" and (kv is None or "cross" not in kv or gen is None):
         return "an encoder-decoder needs kv_cache with cross names and generation"
+    if kind == "seq2seq" and "decoder_start_token_id" not in gen:
+        return "generation lacks decoder_start_token_id"
     return None
 
 
