@@ -10,15 +10,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from kiln import __version__
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.pipeline import ModelFacts
+from kiln.compiler.staging import CHAT_TEMPLATE
 from kiln.errors import UsageError
 from kiln.runtimes.artifact import MANIFEST, SCHEMA_VERSION, TensorSpec, sha256_file
 
 _TOOLS = ("kiln", "torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "numpy", "tokenizers")
-TARGETS = {"cpu": "onnxruntime-cpu", "tensorrt": "tensorrt"}
+RUNTIME_OF_TARGET = {"cpu": "onnxruntime-cpu", "tensorrt": "tensorrt"}
+"""--target -> the manifest's ``target``: the runtime the graph is built for."""
 VERIFIED_ON = {"backend": "onnxruntime", "providers": ["CPUExecutionProvider"], "device": "cpu"}
 """Where verification and the latency measurement run today, for every target."""
 
@@ -37,13 +41,9 @@ def tokenizer_section(ckpt: Checkpoint) -> dict[str, Any] | None:
         return None
     out = {"file": "tokenizer.json", "pad_token_id": ckpt.pad_token_id, "padding_side": ckpt.padding_side,
            "add_special_tokens": True, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id}
-    if isinstance(getattr(tok, "chat_template", None), str):  # written beside it by build.copy_tokenizer
+    if isinstance(getattr(tok, "chat_template", None), str):  # written beside it by staging.copy_tokenizer
         out |= {"chat_template": CHAT_TEMPLATE, "bos_token": tok.bos_token, "eos_token": tok.eos_token}
     return out
-
-
-CHAT_TEMPLATE = "chat_template.jinja"
-"""The tokenizer's chat template, in the artifact: ``kiln generate --chat`` and ``kiln serve`` render it."""
 
 
 def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: list[dict[str, Any]],
@@ -64,7 +64,7 @@ def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: l
         "graphs": graphs,
         "opset": options.opset,
         "precision": options.precision,
-        "target": TARGETS[options.target],
+        "target": RUNTIME_OF_TARGET[options.target],
         "passes": record,
         "tokenizer": tokenizer_section(ckpt),
         "verification": {"status": "skipped" if not options.verify else "pending"},
@@ -181,3 +181,10 @@ def write(root: Path, data: dict[str, Any]) -> None:
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     tmp.replace(root / MANIFEST)
+
+
+def cache_dtype(graph: Path) -> str:
+    """The KV cache's element type at the graph's boundary (float16 in FP16 TensorRT graphs, else float32)."""
+    model = onnx.load(str(graph), load_external_data=False)
+    past = next(i for i in model.graph.input if i.name.startswith("past_key_values."))
+    return "float16" if past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "float32"

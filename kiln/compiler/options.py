@@ -143,7 +143,7 @@ class PruneSpec:
     ffn: float = 0.0
     method: str = "flap"
     auto: bool = False
-    """``--prune auto``: the largest equal heads/FFN ratio that meets ``--max-drop`` (``build.prune_checkpoint``)."""
+    """``--prune auto``: the largest equal heads/FFN ratio that meets ``--max-drop`` (``prune_driver.prune_checkpoint``)."""
     adaptive: bool = False
     """``--prune-layers adaptive``: per-layer counts from one across-layer ranking of standardised scores (FLAP's
     structure search) instead of the same count in every layer."""

@@ -36,7 +36,7 @@ from kiln.runtimes.base import prepare_feeds
 log = logging.getLogger(__name__)
 
 SCHEMA = "kiln-report"
-SCHEMA_VERSION = 2
+REPORT_SCHEMA_VERSION = 2
 """2: one entry per artifact under ``artifacts`` (a comparison), the thresholds and each entry's verdict; 1 (one
 artifact, its fields at the top level) is still read by ``kiln gate``."""
 GREEDY_PROMPTS = 8
@@ -154,7 +154,7 @@ def report(artifacts: str | Path | list[str | Path], reference: str | Path, data
         entry["speedup_vs_first"] = base / entry["latency"]["p50_ms"]
         entry["verdict"] = verdict(entry, thresholds)
     result: dict[str, Any] = {
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "reference": str(Path(reference).absolute()),
+        "schema": SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "reference": str(Path(reference).absolute()),
         "data": {"path": str(Path(data).absolute()), "texts": len(rows), "tokens": int(sum(map(len, rows)))},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "thresholds": thresholds,
         "speedup_baseline": entries[0]["artifact"], "artifacts": entries,

@@ -295,7 +295,7 @@ def test_export_then_import_gives_the_same_codes(tmp_path, checkpoints):
     ckpt = load_checkpoint(out)
     assert ckpt.imported["layers"] == 2 * 7
     # the exported codes are kiln's: re-solving the original checkpoint gives them back bit for bit
-    from kiln.compiler.build import model_facts
+    from kiln.compiler.facts import model_facts
     from kiln.compiler.options import int4_defaults
     from kiln.compiler.quantize.driver import QuantDriver
 

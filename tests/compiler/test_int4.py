@@ -17,7 +17,9 @@ from onnx import numpy_helper
 import kiln.runtimes as kr
 from kiln.cli import main
 from kiln.compiler import compile, trace
-from kiln.compiler.build import EXACT_SESSION, exact_copy, model_facts
+from kiln.compiler.facts import model_facts
+from kiln.compiler.verify.parity import EXACT_SESSION
+from kiln.compiler.verify.staged import exact_copy
 from kiln.compiler.load import load_checkpoint
 from kiln.compiler.manifest import write as write_manifest
 from kiln.compiler.options import int4_defaults

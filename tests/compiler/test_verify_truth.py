@@ -12,7 +12,8 @@ from conftest import fast_options
 from kiln.compiler import compile
 from kiln.compiler.verify import metrics
 from kiln.compiler.verify.generation import compare_steps
-from kiln.compiler.verify.parity import TOLERANCES, Case, compare_output, failures, summarize, verify
+from kiln.compiler.verify.cases import Case
+from kiln.compiler.verify.parity import TOLERANCES, compare_output, failures, summarize, verify
 from kiln.evaluate.report import greedy_match_rate
 
 FP32 = TOLERANCES["fp32"]

@@ -75,7 +75,7 @@ def test_decomposed_norm_statistic_stays_fp32_until_it_meets_the_activation():
     ref = run_unoptimised(model, x)[0]
     reduced, _ = run_passes(model, [ReducePrecision("float16")])
     # the planted bug, no pin: in IEEE FP16 x**2 overflows and the output collapses to 0 (ONNX Runtime CPU's own FP16
-    # graph returns the FP32 answer here, which is why verification emulates instead: kiln/compiler/build.py)
+    # graph returns the FP32 answer here, which is why verification emulates instead: kiln/compiler/verify/staged.py)
     np.testing.assert_array_equal(run_unoptimised(emulate(reduced), x)[0], 0.0)
     np.testing.assert_allclose(run_unoptimised(reduced, x)[0], ref, rtol=2e-3)
     out, record = run_passes(model, [ReducePrecision("float16"), PinNormsFP32()])

@@ -7,14 +7,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.artifact import check_output, staging
-from kiln.compiler.build import model_facts
+from kiln.compiler.facts import model_facts
 from kiln.compiler.load import load_checkpoint
 from kiln.compiler.options import check, int4_defaults
 from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.driver import QuantDriver
 from kiln.compiler.quantize.gptq_format import write_v1
 from kiln.compiler.scoped import torch_threads
+from kiln.compiler.staging import check_output, staging
 from kiln.errors import UsageError
 
 

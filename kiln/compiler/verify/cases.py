@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.compiler.verify.parity import Case
 from kiln.runtimes.generation import pad_rows
 
 if TYPE_CHECKING:
     from kiln.compiler.load import Checkpoint
+
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass
+class Case:
+    """One verification input: its feeds and where they came from."""
+    name: str
+    feeds: Feeds
+    source: str  # "text" | "random"
+
 
 SAMPLE_TEXTS = (
     "The cat sat on the mat.",

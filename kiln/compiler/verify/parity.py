@@ -18,10 +18,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from kiln.compiler.verify import metrics
+from kiln.compiler.verify.cases import Case, Feeds
 
 log = logging.getLogger(__name__)
 
-Feeds = dict[str, np.ndarray]
 
 
 class Runner(Protocol):
@@ -96,13 +96,6 @@ ROUNDING_FACTOR = 3.0
 FP32 rounding of the exact (FP64) answer, measured on that case. An ill-conditioned model (SmolLM2-135M with 20% of
 its FFN channels cut by magnitude, its massive activations gone: eager FP32 is 0.0045 off its FP64 self on random
 ids, the unpruned model 7e-5) then passes on what FP32 can do; a graph bug is far above either bound."""
-
-
-@dataclass
-class Case:
-    name: str
-    feeds: Feeds
-    source: str  # "text" | "random"
 
 
 def _rows(a: np.ndarray, b: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -1,5 +1,6 @@
 """Writing an artifact: everything goes into a temporary sibling directory that is renamed into
-place only once it is complete, so a failed or interrupted compile never leaves a half artifact."""
+place only once it is complete, so a failed or interrupted compile never leaves a half artifact; and the files
+the staged directory receives besides the graphs (the tokenizer's)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kiln.errors import UsageError
+
+GRAPH = "model.onnx"
+"""The graph file of a single-graph artifact (encoder-decoders: ``trace_seq2seq.ENCODER`` / ``DECODER``)."""
+CHAT_TEMPLATE = "chat_template.jinja"
+"""The tokenizer's chat template, in the artifact: ``kiln generate --chat`` and ``kiln serve`` render it."""
 
 
 def check_output(output: Path, force: bool) -> None:
@@ -77,3 +84,18 @@ def staging(output: Path, force: bool) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer(ckpt: Any, root: Path) -> None:
+    """The checkpoint's tokenizer files into the staged artifact (``tokenizer.json`` always, saved from the loaded
+    fast tokenizer; the chat template as its own file)."""
+    if ckpt.tokenizer is None:
+        return
+    for name in ckpt.tokenizer_files:
+        if name != "tokenizer.json":
+            shutil.copy2(ckpt.path / name, root / name)
+    # Saved from the loaded fast tokenizer, so checkpoints that ship only vocab files get one too.
+    ckpt.tokenizer.backend_tokenizer.save(str(root / "tokenizer.json"))
+    template = getattr(ckpt.tokenizer, "chat_template", None)
+    if isinstance(template, str):  # from tokenizer_config.json or chat_template.jinja, whichever it came in
+        (root / CHAT_TEMPLATE).write_text(template)

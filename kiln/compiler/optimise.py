@@ -1,0 +1,74 @@
+"""A traced graph through its recipe: each stage of ``pipeline.recipe`` in order (calibrated stages built by the
+quantization driver from measurements of the graph they receive), fusion coverage checked, the graph written back
+(its weights in external data above the threshold; a streamed checkpoint's compacted tensor by tensor)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from kiln.compiler.load import Checkpoint
+from kiln.compiler.options import CompileOptions
+from kiln.compiler.pipeline import STAGES, ModelFacts, build_pass, check_coverage
+from kiln.compiler.quantize import driver as driver_lib
+from kiln.passes import run_passes
+from kiln.passes.weights import WeightStore, compact
+
+Progress = Callable[[str], None]
+
+
+def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, options: CompileOptions,
+                 ckpt: Checkpoint, say: Progress,
+                 drivers: list[driver_lib.QuantDriver] | None = None) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+    """Run the recipe's stages in order; calibrated stages are built by the INT8 driver from measurements
+    of the graph they receive (the driver is appended to ``drivers`` when given)."""
+    record: list[dict[str, Any]] = []
+    driver: driver_lib.QuantDriver | None = drivers[0] if drivers else None  # AWQ's, when it ran before the trace
+    for name in names:
+        if name in options.disabled_passes:
+            record.append({"name": name, "disabled": True, "stats": {}})
+            continue
+        if STAGES[name].calibrated:
+            if driver is None:
+                driver = driver_lib.QuantDriver(ckpt, facts, options, say)
+                if drivers is not None:
+                    drivers.append(driver)
+            model, rec = driver.run(name, model)
+        else:
+            model, rec = run_passes(model, [build_pass(name, facts, options)], progress=say)
+        record += rec
+    return model, record
+
+
+def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOptions, ckpt: Checkpoint,
+             say: Progress, graph: str = "", drivers: list[driver_lib.QuantDriver] | None = None
+             ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Replace the traced graph at ``path`` with its optimised form; returns the record and coverage shortfalls.
+
+    A streamed checkpoint's graph is loaded without its weights: passes read them from disk one at a time and spill
+    what they create (``kiln.passes.weights``), and the result is compacted into one data file tensor by tensor."""
+    if ckpt.streamed:
+        store = WeightStore(path.parent)
+        with store.active():
+            model, record = apply_recipe(onnx.load(str(path), load_external_data=False), names, facts, options, ckpt,
+                                         say, drivers)
+        problems = check_coverage(record, facts, options.allow_partial_fusion, graph)
+        written = compact(model, path.parent, path, threshold=1024)
+        (path.parent / store.spill_name).unlink(missing_ok=True)
+        say(f"wrote {path.name} with {written / 2**30:.2f} GiB of weights in {path.name}.data")
+    else:
+        model, record = apply_recipe(onnx.load(str(path)), names, facts, options, ckpt, say, drivers)
+        problems = check_coverage(record, facts, options.allow_partial_fusion, graph)
+        for f in path.parent.iterdir():
+            if f.name.startswith(path.name):  # the traced graph and its external data
+                f.unlink()
+        external = model.ByteSize() > options.external_data_threshold
+        onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+    if graph:
+        for r in record:
+            r["graph"] = graph
+    return record, problems
