@@ -28,6 +28,11 @@ def pytest_report_header(config):
     return f"fuzz seed {FUZZ_SEED} (replay: KILN_FUZZ_SEED={FUZZ_SEED} make test)"
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The seed again at the end: ``make test`` runs pytest -q, which leaves the header out."""
+    terminalreporter.write_line(f"fuzz seed {FUZZ_SEED} (replay: KILN_FUZZ_SEED={FUZZ_SEED} make test)")
+
+
 @pytest.fixture(autouse=True)
 def scratch_under_pytest(tmp_path_factory, monkeypatch):
     """Scratch directories a test leaves on purpose (a failed compile keeps its parity report for the user) land
