@@ -33,6 +33,7 @@ class HostCuda:
         self.next = 4096
         self.freed: list[int] = []
         self.local = threading.local()
+        self.lock = threading.Lock()  # the real driver's allocations are thread-safe; this stand-in's too
         self.with_context: set[int] = set()
         self.without_context: list[str] = []
 
@@ -52,13 +53,15 @@ class HostCuda:
             self.without_context.append(f"{what} on thread {threading.get_ident()}")
 
     def alloc(self, nbytes: int) -> int:
-        self.next += 4096 + nbytes
-        self.mem[self.next] = np.zeros(max(nbytes, 1), np.uint8)
-        return self.next
+        with self.lock:
+            self.next += 4096 + nbytes
+            self.mem[self.next] = np.zeros(max(nbytes, 1), np.uint8)
+            return self.next
 
     def free(self, ptr: int) -> None:
-        del self.mem[ptr]
-        self.freed.append(ptr)
+        with self.lock:
+            del self.mem[ptr]
+            self.freed.append(ptr)
 
     def to_device(self, ptr: int, array: np.ndarray) -> None:
         self.mem[ptr][:array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
