@@ -23,6 +23,7 @@ from kiln.compiler.experts import config_experts
 from kiln.compiler.load import Checkpoint, check_weights, model_kind, read_config
 from kiln.compiler.options import AWQ_METHODS, STREAM_ABOVE, CompileOptions
 from kiln.compiler.quantize import gptq_format
+from kiln.compiler.staging import GRAPH
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import GENERATION_STEPS
 from kiln.compiler.verify.parity import EXACT_SESSION, fp32_activations
@@ -31,7 +32,6 @@ from kiln.errors import UsageError
 from kiln.runtimes.artifact import Manifest
 
 Progress = Callable[[str], None]
-GRAPH = "model.onnx"
 
 STREAMED_PRECISIONS = ("fp32", "int8", "int4")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ArtifactError
-from kiln.runtimes.schema import first_error
+from kiln.runtimes.schema import first_error, manifest_schema
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +81,6 @@ class Manifest:
         return self.data.get("tokenizer")
 
 
-_REQUIRED_KEYS = ("schema_version", "model", "inputs", "outputs", "graphs", "precision", "passes", "files")
-
-
 def read_manifest(root: str | Path, verify_files: bool = True) -> Manifest:
     """Load ``manifest.json`` from an artifact directory and check it against the files beside it."""
     root = Path(root)
@@ -96,7 +93,7 @@ def read_manifest(root: str | Path, verify_files: bool = True) -> Manifest:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the artifact") from e
-    missing = [k for k in _REQUIRED_KEYS if k not in data]
+    missing = [k for k in manifest_schema()["required"] if k not in data]  # before the version: a clearer line
     if missing:
         raise ArtifactError(f"{path} lacks {', '.join(missing)}; recompile the artifact with this kiln")
     version = data["schema_version"]
