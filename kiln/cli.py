@@ -80,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-verify", dest="verify", action="store_false", help="skip the parity check (recorded)")
     c.add_argument("--force", action="store_true", help="replace an existing output directory")
     c.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
-    c.add_argument("--allow-partial-fusion", action="store_true",
-                   help="ship a graph with fewer fusions than layers instead of failing")
+    c.add_argument("--require-fusion", action="store_true",
+                   help="fail when any attention block runs on the verified fallback instead of a fused kernel")
+    c.add_argument("--allow-partial-fusion", action="store_true", help=argparse.SUPPRESS)  # the default since 0.2
     c.add_argument("--verify-max-length", type=int, default=d.verify_max_length,
                    help="longest random sequence in the parity check")
     c.add_argument("--max-drop", default=d.max_drop, metavar="METRIC=VALUE",
@@ -303,7 +304,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         threads=args.threads, verify_max_length=args.verify_max_length, seed=args.seed, max_length=args.max_length,
         max_drop=args.max_drop, calibration=args.calibration, static=args.static,
         calibration_method=args.calibration_method, smoothquant=args.smoothquant, outlier_ratio=args.outlier_ratio,
-        disabled_passes=tuple(args.disable_pass), allow_partial_fusion=args.allow_partial_fusion,
+        disabled_passes=tuple(args.disable_pass), require_fusion=args.require_fusion,
         quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
         mixed_bits=args.mixed_bits, lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
         prune=args.prune, prune_method=args.prune_method, prune_layers=args.prune_layers, stream=args.stream,

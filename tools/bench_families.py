@@ -1,6 +1,12 @@
 """Decode speed of the newer decoder families against a Llama of the same shape, in one run.
 
     python tools/bench_families.py [--families qwen3 phi3 ...] [--prompt 32] [--new-tokens 64] [--rounds 5]
+                                   [--against REF] [--smollm2 fp32 int4]
+
+``--against REF`` compiles every model a second time with the kiln of git ref REF (a worktree of this repository,
+on the same Python) and times both artifacts of each model in the same rounds: the "vs REF" column is this
+checkout's decode tok/s over REF's. ``--smollm2`` adds SmolLM2-135M-Instruct (real weights,
+``tools/reference_models.py smollm2``) at those precisions (INT4: the default recipe).
 
 Every family is built here with random weights (fixed seed) at one shape: 8 layers, hidden 512, 8 query / 4 KV
 heads of 64 features, vocab 8192 (GPT-NeoX has no grouped KV heads: 8 / 8). Each MLP keeps its family's form
@@ -95,15 +101,33 @@ def build(family: str, work: Path, threads: int) -> dict:
             "fuse_moe": cov.get("fuse-moe")}
 
 
+def compile_at(ref_tree: Path, ckpt: Path, out: Path, threads: int, precision: str = "fp32",
+               disabled: tuple[str, ...] = ()) -> None:
+    """Compile ``ckpt`` with the kiln checked out at ``ref_tree`` (a subprocess importing it first)."""
+    code = ("import sys; from kiln.compiler import CompileOptions, compile; "
+            f"compile({str(ckpt)!r}, {str(out)!r}, CompileOptions(threads={threads}, verify=False, "
+            f"precision={precision!r}, disabled_passes={disabled!r}))")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ref_tree)),
+                   capture_output=True, text=True)
+
+
+def worktree(ref: str) -> Path:
+    tree = Path(tempfile.mkdtemp(prefix="kiln-bench-ref-")) / "kiln"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True,
+                   capture_output=True)
+    return tree
+
+
 def time_decode(artifacts: dict[str, str], prompt: int, new: int, rounds: int, threads: int) -> dict[str, float]:
-    """Child process (no torch): median decode tok/s per family."""
+    """Child process (no torch): median decode tok/s per artifact, every artifact timed in every round."""
     import numpy as np
 
     import kiln.runtimes as kr
     from bench_encoder import SESSION_CONFIG
 
     models = {f: kr.load(a, threads=threads, session_config=SESSION_CONFIG) for f, a in artifacts.items()}
-    ids = np.random.default_rng(0).integers(3, SHAPE["vocab_size"], size=(1, prompt), dtype=np.int64)
+    vocab = min(int(m.manifest.data["model"]["vocab_size"]) for m in models.values())
+    ids = np.random.default_rng(0).integers(3, vocab, size=(1, prompt), dtype=np.int64)
     mask = np.ones_like(ids)
 
     def call(m, n):
@@ -130,6 +154,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", metavar="REF", help="also compile with the kiln at this git ref; time both")
+    ap.add_argument("--smollm2", nargs="*", choices=["fp32", "int4"], default=[],
+                    help="add SmolLM2-135M-Instruct at these precisions")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -147,7 +174,27 @@ def main() -> int:
     for f in families:
         print(f"[bench] build and compile {f}", file=sys.stderr, flush=True)
         built[f] = build(f, work, args.threads)
-    child = subprocess.run([sys.executable, __file__, "--child", json.dumps({f: b["artifact"] for f, b in built.items()}),
+    real = {}
+    if args.smollm2:
+        import reference_models
+
+        from kiln.compiler import CompileOptions, compile
+
+        ckpt = reference_models.smollm2()
+        for p in args.smollm2:
+            print(f"[bench] compile smollm2 {p}", file=sys.stderr, flush=True)
+            real[f"smollm2-{p}"] = {"ckpt": ckpt, "precision": p, "artifact": str(compile(
+                ckpt, work / f"smollm2-{p}", CompileOptions(threads=args.threads, verify=False, precision=p)))}
+    artifacts = {f: b["artifact"] for f, b in built.items()} | {f: r["artifact"] for f, r in real.items()}
+    if args.against:
+        tree = worktree(args.against)
+        for f in list(artifacts):
+            print(f"[bench] compile {f} with kiln {args.against}", file=sys.stderr, flush=True)
+            ckpt, p = (real[f]["ckpt"], real[f]["precision"]) if f in real else (work / f"{f}-ckpt", "fp32")
+            compile_at(tree, ckpt, work / f"{f}@ref", args.threads, p,
+                       ("fuse-moe",) if f.endswith("-dense") else ())
+            artifacts[f"{f}@ref"] = str(work / f"{f}@ref")
+    child = subprocess.run([sys.executable, __file__, "--child", json.dumps(artifacts),
                             "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                             "--rounds", str(args.rounds), "--threads", str(args.threads)],
                            capture_output=True, text=True, check=True)
@@ -157,17 +204,21 @@ def main() -> int:
           f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
     print(f"shape: 8 layers, hidden 512, 8 / 4 heads of 64, vocab 8192; FP32; batch 1, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rotating rounds")
-    print("| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
-          "per byte vs llama |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    against = f" | vs {args.against}" if args.against else ""
+    print(f"| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
+          f"per byte vs llama{against} |")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.against else ""))
     base = speed["llama"] * built["llama"]["read_bytes"]
+    ref = lambda f: f" | {speed[f] / speed[f + '@ref']:.3f}x" if args.against else ""  # noqa: E731
     for f in families:
         b = built[f]
         cov = lambda c: f"{c['fused']}/{c['expected']}" if c else "-"  # noqa: E731
         print(f"| {f} | {b['params'] / 1e6:.1f}M | {b['read_bytes'] / 1e6:.0f} | {cov(b['fuse_gqa'])} | "
               f"{cov(b['kv_cache'])} | {cov(b['fuse_moe']) if b['fuse_moe'] and b['fuse_moe']['expected'] else '-'} | "
               f"{speed[f]:.1f} | {speed[f] / speed['llama']:.2f}x | "
-              f"{speed[f] * b['read_bytes'] / base:.2f}x |")
+              f"{speed[f] * b['read_bytes'] / base:.2f}x{ref(f)} |")
+    for f in real:
+        print(f"| {f} (real weights) | - | - | - | - | - | {speed[f]:.1f} | - | -{ref(f)} |")
     return 0
 
 

@@ -22,7 +22,7 @@ from kiln.compiler import manifest as manifest_lib
 from kiln.compiler import options as options_lib
 from kiln.compiler import stream as stream_lib
 from kiln.compiler import trace, trace_seq2seq, trace_stream
-from kiln.compiler.facts import model_facts
+from kiln.compiler.facts import from_graph, model_facts
 from kiln.compiler.load import Checkpoint, load_checkpoint
 from kiln.compiler.optimise import optimise
 from kiln.compiler.options import AWQ_METHODS, CompileOptions, int4_defaults
@@ -100,24 +100,30 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
             driver.awq()
         say(f"export {ckpt.architecture} ({ckpt.task}) to ONNX opset {options.opset}")
         if ckpt.streamed:
-            trace_stream.export(ckpt, root / GRAPH, options.opset, say)
+            log = trace_stream.export(ckpt, root / GRAPH, options.opset, say)
         else:
-            trace.export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
-        record, problems = optimise(root / GRAPH, names, facts, options, ckpt, say, drivers=drivers)
+            log = trace.export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
+        facts = from_graph(facts, root / GRAPH)
+        record, summary, problems = optimise(root / GRAPH, names, facts, options, ckpt, say, drivers=drivers,
+                                             delegated=log.delegated)
         for problem in problems:
-            say(f"warning: {problem} (--allow-partial-fusion)")
+            say(f"note: {problem}; verified on the fallback (--require-fusion refuses it)")
         data = manifest_lib.base(ckpt, facts, options, record, *trace.io_specs(ckpt), {"model": GRAPH})
+        data["attention"] = summary
         if ckpt.pruning is not None:
             data["pruning"] = ckpt.pruning
         cache = next((p["name"] for p in record if p["name"] in ("kv-cache", "kv-cache-concat")
                       and p["stats"].get("layers")), None)
         if cache:
             stats = next(p["stats"] for p in record if p["name"] == cache)
-            rows = ("the TensorRT graph's Concat cache has one length for every row" if cache != "kv-cache" else
+            rows = ("a Concat cache (the TensorRT graph's, or the unfused attention's) has one length for every row" if cache != "kv-cache" else
                     "learned position embeddings read each position from the mask" if stats.get("sliced_positions")
                     else None)
             manifest_lib.add_kv_cache(data, ckpt, facts, options, shared_buffer=cache == "kv-cache",
-                                      dtype=manifest_lib.cache_dtype(root / GRAPH), row_lengths_refused=rows)
+                                      dtype=manifest_lib.cache_dtype(root / GRAPH), row_lengths_refused=rows,
+                                      dims=manifest_lib.cache_dims(root / GRAPH))
+        elif ckpt.task == "causal-lm":  # no cache: generation recomputes the sequence every step (summary says why)
+            data["generation"] = dict(manifest_lib.generation_defaults(ckpt), recompute=True)
         if any(p["name"] == "logits-to-keep" and p["stats"].get("sliced") for p in record):
             from kiln.passes.logits_to_keep import INPUT
 
@@ -142,7 +148,7 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
 def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: Path, options: CompileOptions,
                    say: Progress) -> dict[str, Any]:
     say(f"export {ckpt.architecture} ({ckpt.task}) to an encoder and a decoder graph, ONNX opset {options.opset}")
-    trace_seq2seq.export(ckpt, root, options.opset)
+    logs = trace_seq2seq.export(ckpt, root, options.opset)
     s = trace_seq2seq.shapes(ckpt)
     # one MultiHeadAttention per encoder layer; self + cross per decoder layer
     graphs = {trace_seq2seq.ENCODER: ModelFacts("seq2seq", s["encoder_layers"], s["heads"], s["heads"], s["head_size"],
@@ -151,16 +157,20 @@ def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: 
                                                 ckpt.max_length, attentions_per_layer=2)}
     record: list[dict[str, Any]] = []
     problems: list[str] = []
+    summaries: dict[str, Any] = {}
     for graph, graph_facts in graphs.items():
-        rec, short = optimise(root / graph, names, graph_facts, options, ckpt, say, graph.split(".")[0])
+        rec, summary, short = optimise(root / graph, names, graph_facts, options, ckpt, say, graph.split(".")[0],
+                                       delegated=logs[graph].delegated)
         record += rec
         problems += short
+        summaries[graph.split(".")[0]] = summary
     for problem in problems:
-        say(f"warning: {problem} (--allow-partial-fusion)")
+        say(f"note: {problem}; verified on the fallback (--require-fusion refuses it)")
     spec = trace_seq2seq.io(ckpt)
     data = manifest_lib.base(ckpt, facts, options, record, spec["encoder"]["inputs"], spec["encoder"]["outputs"],
                              {"encoder": trace_seq2seq.ENCODER, "decoder": trace_seq2seq.DECODER})
     manifest_lib.add_seq2seq(data, ckpt, facts, options, (spec["decoder"]["inputs"], spec["decoder"]["outputs"]))
+    data["attention"] = summaries
     return data
 
 

@@ -1,15 +1,21 @@
 """What the passes need to know about a loaded model (``ModelFacts``): layer, head and KV-head counts, head size,
-sliding windows, pruned head counts, routed-expert layers; read from the checkpoint's config."""
+routed-expert layers; read from the checkpoint's config. Per-layer facts (head counts after pruning, sliding
+windows, scales) travel in the captured attention nodes themselves (``kiln.passes.attention_node``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
+
+import onnx
 
 from kiln.compiler import trace_seq2seq
 from kiln.compiler.experts import routed_experts
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.pipeline import ModelFacts
 from kiln.errors import UnsupportedModelError
+from kiln.passes import attention_node
 
 
 def model_facts(ckpt: Checkpoint) -> ModelFacts:
@@ -18,8 +24,14 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
         s = trace_seq2seq.shapes(ckpt)
         return ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"], ckpt.max_length)
 
+    def read(key: str) -> Any:
+        try:
+            return getattr(cfg, key, None)
+        except Exception:  # noqa: BLE001 - configs whose per-layer values refuse one global answer
+            return None
+
     def first(*keys: str) -> Any:
-        return next((getattr(cfg, k) for k in keys if getattr(cfg, k, None)), None)
+        return next((read(k) for k in keys if read(k)), None)
 
     layers = first("num_hidden_layers", "n_layer", "n_layers", "num_layers")
     heads = first("num_attention_heads", "n_head", "n_heads", "num_heads")
@@ -30,16 +42,20 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
             "num_hidden_layers / num_attention_heads / hidden_size); kiln compiles attention Transformers")
     kv = first("num_key_value_heads") or heads
     head_size = first("head_dim") or int(hidden) // int(heads)
-    per_layer = tuple(ckpt.pruning["heads_per_layer"]) if ckpt.pruning else ()
     return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), int(head_size), ckpt.max_length,
-                      sliding_windows(cfg, int(layers)), heads_per_layer=per_layer,
                       experts_layers=len(routed_experts(ckpt.model)))
 
 
-def sliding_windows(cfg: Any, layers: int) -> tuple[int | None, ...]:
-    """Each layer's attention window (None: full), from ``layer_types`` where the config has them."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window or not getattr(cfg, "use_sliding_window", True):
-        return (None,) * layers
-    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * layers
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+def from_graph(facts: ModelFacts, graph: Path) -> ModelFacts:
+    """``facts`` with the head counts and head size the traced graph's captured attention nodes carry, where every
+    node agrees: the graph is what runs, and configs name these many ways (multi-query flags, latent attention's
+    split heads, a ``head_dim`` that differs from hidden / heads)."""
+    model = onnx.load(str(graph), load_external_data=False)
+    nodes = [attention_node.read(n) for n in model.graph.node if attention_node.is_captured(n)]
+    if not nodes:
+        return facts
+    seen = {k: {getattr(c, k) for c in nodes} for k in ("q_heads", "kv_heads", "head_size")}
+    one = {k: v.pop() for k, v in seen.items() if len(v) == 1}
+    return dataclasses.replace(facts, num_heads=one.get("q_heads", facts.num_heads),
+                               num_kv_heads=one.get("kv_heads", facts.num_kv_heads),
+                               head_size=one.get("head_size", facts.head_size))

@@ -96,15 +96,40 @@ class Checkpoint:
         return "left" if self.kind == "decoder" else "right"
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the model reads: the config's ``vocab_size``, else the rows of its token-embedding table."""
+        value = getattr(self.config, "vocab_size", None)
+        if isinstance(value, int) and value > 0:
+            return value
+        table = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        rows = getattr(table, "num_embeddings", None)
+        if isinstance(rows, int) and rows > 0:
+            return rows
+        raise UnsupportedModelError(
+            f"checkpoint {self.path} ({self.model_type}) declares no vocab_size and has no token-embedding table kiln "
+            "can read; kiln compiles models that read token ids from a vocabulary")
+
+    @property
     def pad_token_id(self) -> int:
-        for value in (getattr(self.tokenizer, "pad_token_id", None), self.config.pad_token_id,
-                      getattr(self.tokenizer, "eos_token_id", None), self.config.eos_token_id):
+        for value in (getattr(self.tokenizer, "pad_token_id", None), getattr(self.config, "pad_token_id", None),
+                      getattr(self.tokenizer, "eos_token_id", None), getattr(self.config, "eos_token_id", None)):
             if isinstance(value, int):
                 return value
         return 0
 
 
 def task_for_architecture(arch: str) -> str | None:
+    """The task a head class serves: transformers' own auto mappings first (a head named outside the usual suffixes,
+    such as ``BertGenerationDecoder``, is still the causal LM its model type registers), then the name."""
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping, task in (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-lm"),
+                          ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence-classification"),
+                          ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-classification"),
+                          ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "text2text-generation")):
+        names = getattr(auto, mapping, {}).values()
+        if any(arch == n or (isinstance(n, (list, tuple)) and arch in n) for n in names):
+            return task
     if arch.endswith("ForSequenceClassification"):
         return "sequence-classification"
     if arch.endswith("ForTokenClassification"):
@@ -140,7 +165,9 @@ def model_kind(path: Path, cfg: dict[str, Any], arch: str) -> str:
     from transformers.models.auto import modeling_auto as auto
 
     model_type = cfg["model_type"]
-    if model_type not in auto.MODEL_MAPPING_NAMES:
+    known = [auto.MODEL_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+             auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES]
+    if not any(model_type in m for m in known):
         import transformers
 
         raise UnsupportedModelError(

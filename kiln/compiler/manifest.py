@@ -17,7 +17,7 @@ from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.pipeline import ModelFacts
 from kiln.compiler.staging import CHAT_TEMPLATE
-from kiln.errors import UsageError
+from kiln.errors import UnsupportedModelError, UsageError
 from kiln.runtimes.artifact import MANIFEST, SCHEMA_VERSION, TensorSpec, sha256_file
 
 _TOOLS = ("kiln", "torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "numpy", "tokenizers")
@@ -53,7 +53,7 @@ def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: l
         "kiln_version": __version__,
         "model": {
             "architecture": ckpt.architecture, "model_type": ckpt.model_type, "kind": ckpt.kind, "task": ckpt.task,
-            "max_sequence_length": ckpt.max_length, "vocab_size": int(ckpt.config.vocab_size),
+            "max_sequence_length": ckpt.max_length, "vocab_size": ckpt.vocab_size,
             "num_layers": facts.num_layers, "labels": ckpt.labels, "pooling": ckpt.pooling,
             "source": {"path": str(ckpt.path.absolute()), "sha256": ckpt.sha256} if ckpt.source is None else
                       dict(ckpt.source),
@@ -85,7 +85,8 @@ def kv_names(layers: int) -> dict[str, list[str]]:
 
 
 def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
-                 shared_buffer: bool = True, dtype: str = "float32", row_lengths_refused: str | None = None) -> None:
+                 shared_buffer: bool = True, dtype: str = "float32", row_lengths_refused: str | None = None,
+                 dims: dict[str, int] | None = None) -> None:
     """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop.
     ``shared_buffer``: GroupQueryAttention's in-place cache (CPU); False for the TensorRT graph's Concat cache, whose
     present is the past plus the new positions (a runtime feeds it back as the next past). ``row_lengths_refused``:
@@ -94,17 +95,22 @@ def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, opti
     if capacity > ckpt.max_length:
         raise UsageError(f"--max-length {capacity} exceeds the model's maximum sequence length {ckpt.max_length}; "
                          f"give at most {ckpt.max_length}")
-    names = kv_names(facts.num_layers)
-    shape = ["batch", facts.num_kv_heads, "past_sequence", facts.head_size]
+    dims = dims or {"num_kv_heads": facts.num_kv_heads, "head_size": facts.head_size,
+                    "value_head_size": facts.head_size, "layers": facts.num_layers}
+    names = kv_names(dims["layers"])  # one cache per attention call (a layer may attend twice)
+    heads = dims["num_kv_heads"]
+    size = {"key": dims["head_size"], "value": dims["value_head_size"]}
     data["inputs"] = [dict(s, shape=["batch", "total_sequence"]) if s["name"] == "attention_mask" else s
                       for s in data["inputs"]]
-    data["inputs"] += [TensorSpec(n, dtype, tuple(shape), True, "empty").to_json() for n in names["past"]]
-    data["outputs"] += [TensorSpec(n, dtype, tuple(shape[:2] + ["present_sequence"] + shape[3:])).to_json()
+    data["inputs"] += [TensorSpec(n, dtype, ("batch", heads, "past_sequence", size[n.rsplit(".", 1)[1]]), True,
+                                  "empty").to_json() for n in names["past"]]
+    data["outputs"] += [TensorSpec(n, dtype, ("batch", heads, "present_sequence", size[n.rsplit(".", 1)[1]])).to_json()
                         for n in names["present"]]
     data["dynamic_axes"]["total_sequence"] = {"min": 1, "max": capacity}
     data["kv_cache"] = {
         "layout": ["batch", "kv_heads", "sequence", "head_size"], "dtype": dtype,
-        "num_layers": facts.num_layers, "num_kv_heads": facts.num_kv_heads, "head_size": facts.head_size,
+        "num_layers": dims["layers"], "num_kv_heads": heads, "head_size": size["key"],
+        **({"value_head_size": size["value"]} if size["value"] != size["key"] else {}),
         "past": names["past"], "present": names["present"], "capacity": capacity,
         # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime
         # may bind one buffer of `capacity` positions as both past and present and never copy the cache.
@@ -123,6 +129,8 @@ def add_logits_to_keep(data: dict[str, Any], name: str) -> None:
     data["inputs"].append(TensorSpec(name, "int64", (), True, "zeros").to_json())
     if "kv_cache" in data:
         data["kv_cache"]["logits_to_keep"] = name
+    elif (data.get("generation") or {}).get("recompute"):
+        data["generation"]["logits_to_keep"] = name
 
 
 def add_seq2seq(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
@@ -139,10 +147,10 @@ def add_seq2seq(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, optio
 
 def generation_defaults(ckpt: Checkpoint) -> dict[str, Any]:
     """Stop and pad ids from the generation config (else the model config), kept only if in the vocabulary."""
-    vocab = int(ckpt.config.vocab_size)
+    vocab = ckpt.vocab_size
     gen = getattr(ckpt.model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    eos = ckpt.config.eos_token_id if eos is None else eos
+    eos = getattr(ckpt.config, "eos_token_id", None) if eos is None else eos
     eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None and 0 <= int(e) < vocab]
     pad = getattr(gen, "pad_token_id", None) if gen is not None else None
     pad = pad if pad is not None and 0 <= int(pad) < vocab else (eos_ids[0] if eos_ids else 0)
@@ -167,7 +175,7 @@ def verification(report: dict[str, Any], options: CompileOptions) -> dict[str, A
         out["pruning"] = report["pruning"]
     if "generation" in report:
         out["generation"] = {k: report["generation"][k] for k in
-                             ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties", "reference")
+                             ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties", "reference", "through")
                              if k in report["generation"]}
     if report.get("reference"):  # a streamed checkpoint: what the artifact was compared with, and how
         out["reference"] = report["reference"]
@@ -188,3 +196,22 @@ def cache_dtype(graph: Path) -> str:
     model = onnx.load(str(graph), load_external_data=False)
     past = next(i for i in model.graph.input if i.name.startswith("past_key_values."))
     return "float16" if past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "float32"
+
+
+def cache_dims(graph: Path) -> dict[str, int]:
+    """The KV cache's KV heads and key / value features, read from the graph's past inputs (the captured attention
+    gave each layer its own; a model's config can say otherwise, as multi-query or latent-attention configs do).
+    Raises when layers differ, which no runtime's cache layout takes."""
+    model = onnx.load(str(graph), load_external_data=False)
+    dims: dict[str, set[tuple[int, int]]] = {"key": set(), "value": set()}
+    for i in model.graph.input:
+        if i.name.startswith("past_key_values."):
+            d = i.type.tensor_type.shape.dim
+            dims[i.name.rsplit(".", 1)[1]].add((d[1].dim_value, d[3].dim_value))
+    if len(dims["key"]) != 1 or len(dims["value"]) != 1 or \
+            next(iter(dims["key"]))[0] != next(iter(dims["value"]))[0]:
+        raise UnsupportedModelError(f"{graph.name}: layers keep caches of different shapes {sorted(dims['key'] | dims['value'])}; "
+                        "kiln's runtimes keep one (KV heads, head size) for every layer")
+    (heads, key), (_, value) = next(iter(dims["key"])), next(iter(dims["value"]))
+    layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+    return {"num_kv_heads": heads, "head_size": key, "value_head_size": value, "layers": layers}

@@ -1,5 +1,5 @@
 """A traced graph through its recipe: each stage of ``pipeline.recipe`` in order (calibrated stages built by the
-quantization driver from measurements of the graph they receive), fusion coverage checked, the graph written back
+quantization driver from measurements of the graph they receive), attention coverage summarised, the graph written back
 (its weights in external data above the threshold; a streamed checkpoint's compacted tensor by tensor)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import onnx
 
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.options import CompileOptions
-from kiln.compiler.pipeline import STAGES, ModelFacts, build_pass, check_coverage
+from kiln.compiler.pipeline import STAGES, ModelFacts, attention_summary, build_pass
 from kiln.compiler.quantize import driver as driver_lib
 from kiln.passes import run_passes
 from kiln.passes.weights import WeightStore, compact
@@ -44,9 +44,12 @@ def apply_recipe(model: onnx.ModelProto, names: list[str], facts: ModelFacts, op
 
 
 def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOptions, ckpt: Checkpoint,
-             say: Progress, graph: str = "", drivers: list[driver_lib.QuantDriver] | None = None
-             ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Replace the traced graph at ``path`` with its optimised form; returns the record and coverage shortfalls.
+             say: Progress, graph: str = "", drivers: list[driver_lib.QuantDriver] | None = None,
+             delegated: list[dict[str, Any]] | None = None
+             ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """Replace the traced graph at ``path`` with its optimised form; returns the record, the attention summary
+    (``pipeline.attention_summary``; ``delegated``: the attention calls the capture left to the model) and the
+    blocks left unfused, one line each.
 
     A streamed checkpoint's graph is loaded without its weights: passes read them from disk one at a time and spill
     what they create (``kiln.passes.weights``), and the result is compacted into one data file tensor by tensor."""
@@ -55,13 +58,13 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
         with store.active():
             model, record = apply_recipe(onnx.load(str(path), load_external_data=False), names, facts, options, ckpt,
                                          say, drivers)
-        problems = check_coverage(record, facts, options.allow_partial_fusion, graph)
+        summary, problems = attention_summary(record, facts, options.require_fusion, graph, delegated)
         written = compact(model, path.parent, path, threshold=1024)
         (path.parent / store.spill_name).unlink(missing_ok=True)
         say(f"wrote {path.name} with {written / 2**30:.2f} GiB of weights in {path.name}.data")
     else:
         model, record = apply_recipe(onnx.load(str(path)), names, facts, options, ckpt, say, drivers)
-        problems = check_coverage(record, facts, options.allow_partial_fusion, graph)
+        summary, problems = attention_summary(record, facts, options.require_fusion, graph, delegated)
         for f in path.parent.iterdir():
             if f.name.startswith(path.name):  # the traced graph and its external data
                 f.unlink()
@@ -71,4 +74,4 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
     if graph:
         for r in record:
             r["graph"] = graph
-    return record, problems
+    return record, summary, problems

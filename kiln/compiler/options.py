@@ -114,8 +114,9 @@ class CompileOptions:
     max_length: int | None = None
     """Decoders: KV-cache capacity (prompt + new tokens) the runtime allocates; None: the model's maximum."""
     disabled_passes: tuple[str, ...] = ()
-    allow_partial_fusion: bool = False
-    """Ship a graph with fewer attention fusions than layers (recorded) instead of failing."""
+    require_fusion: bool = False
+    """Fail the compile when any attention (or routed-experts) block runs on the verified fallback instead of a fused
+    kernel. Off: the fallback ships and the manifest's ``attention`` section says which blocks and why."""
     external_data_threshold: int = 1 << 26
     """Graphs whose weights exceed this many bytes (64 MiB) keep them in ``model.onnx.data``: ONNX Runtime maps that
     file instead of parsing the weights out of the protobuf and copying them (SmolLM2-135M FP32: peak RSS of a

@@ -4,8 +4,13 @@ out in full, so a pass added to one recipe never shifts another.
 
 A stage is calibrated when it is built from statistics of the graph it receives (SmoothQuant, outlier
 splitting, the quantizers): the compiler's INT8 driver (``kiln.compiler.quantize.driver``) runs the
-graph on calibration text and hands the numbers in. After the pipeline, the fusion coverage check
-refuses to pass a half-fused graph off as optimised.
+graph on calibration text and hands the numbers in.
+
+Attention arrives as one captured node per call (``kiln.passes.attention_node``). Each recipe lowers it by what
+the target runs best, fused kernels first, and ends with ``lower-attention``, which turns whatever no kernel took
+into standard ops; a decoder gets its cache from ``kv-cache`` (fused layers) or ``kv-cache-concat`` (the rest).
+After the pipeline, ``attention_summary`` records which layers run fused and why the others do not; it fails the
+compile only under ``--require-fusion``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from kiln.compiler.options import REDUCED_FLOAT, CompileOptions
 from kiln.errors import KilnError, UsageError
 from kiln.passes import Pass
+from kiln.passes.broadcast_rotary import BroadcastRotary
 from kiln.passes.canonicalize_attention import CanonicalizeAttention
 from kiln.passes.check_tensorrt import CheckTensorRTOps
 from kiln.passes.cleanup import (
@@ -41,6 +47,7 @@ from kiln.passes.quantize_int8 import QuantizeDynamicInt8
 from kiln.passes.quantize_nbits import Codebook, QuantizeBlockwise
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
 from kiln.passes.logits_to_keep import LogitsToKeep
+from kiln.passes.lower_attention import LowerAttention
 from kiln.passes.smoothquant import SmoothQuant
 from kiln.passes.split_outliers import SplitOutlierChannels
 
@@ -55,12 +62,8 @@ class ModelFacts:
     num_kv_heads: int
     head_size: int
     max_length: int
-    sliding_windows: tuple[int | None, ...] = ()
-    """Per layer, in graph order: the attention window, or None for full attention."""
     attentions_per_layer: int = 1
     """Attention blocks per layer in this graph (an encoder-decoder's decoder: self + cross)."""
-    heads_per_layer: tuple[int, ...] = ()
-    """Per layer, in graph order: the query heads it keeps after ``--prune`` (empty: ``num_heads`` everywhere)."""
     experts_layers: int = 0
     """Mixture-of-experts layers (routed experts modules) in the model: ``fuse-moe`` must fold every one."""
 
@@ -91,9 +94,11 @@ class Stage:
     when: Callable[[CompileOptions], bool] = lambda o: True
     """Runs only when the options ask for it (SmoothQuant's alpha, a non-zero outlier ratio)."""
     coverage: str | None = None
-    """The stat that counts fusions: checked against one per attention block after the pipeline."""
+    """The stat that counts what the stage fused: compared with one per attention block (``attention_summary``)."""
     expected: Callable[[ModelFacts], int] = lambda f: f.num_layers * f.attentions_per_layer
-    """How many fusions ``coverage`` must count (default: the attention blocks)."""
+    """How many ``coverage`` counts when every block is fused (default: the attention blocks)."""
+    covers: str = "attention"
+    """What the coverage is of: "attention" (the fused kernels), "cache" (a decoder's KV cache) or "experts"."""
 
 
 STAGES: dict[str, Stage] = {
@@ -101,16 +106,19 @@ STAGES: dict[str, Stage] = {
     "fold-constants": Stage(lambda f, o, d: FoldConstants()),
     "dedup-initializers": Stage(lambda f, o, d: DeduplicateInitializers()),
     "eliminate-unused-io": Stage(lambda f, o, d: EliminateUnusedIO()),
-    "fuse-attention": Stage(lambda f, o, d: FuseAttention(head_size=f.head_size), coverage="fused"),
-    "fuse-gqa": Stage(lambda f, o, d: FuseGroupQueryAttention(f.num_heads, f.num_kv_heads, f.max_length, f.sliding_windows,
-                                                                      heads_per_layer=f.heads_per_layer),
-                      coverage="fused"),
-    "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers"),
-    "kv-cache-concat": Stage(lambda f, o, d: AddKVCacheConcat(f.num_kv_heads, f.head_size), coverage="layers"),
+    "broadcast-rotary": Stage(lambda f, o, d: BroadcastRotary()),
+    "fuse-attention": Stage(lambda f, o, d: FuseAttention(), coverage="fused"),
+    "fuse-gqa": Stage(lambda f, o, d: FuseGroupQueryAttention(f.max_length), coverage="fused"),
+    "kv-cache": Stage(lambda f, o, d: AddKVCache(f.num_kv_heads, f.head_size), coverage="layers", covers="cache"),
+    "kv-cache-concat": Stage(lambda f, o, d: AddKVCacheConcat(f.num_kv_heads, f.head_size), coverage="layers",
+                             covers="cache"),
+    # whatever attention no fused kernel took -> standard ONNX ops (the fallback every model compiles with)
+    "lower-attention": Stage(lambda f, o, d: LowerAttention(), coverage="lowered", covers="lowered"),
     "logits-to-keep": Stage(lambda f, o, d: LogitsToKeep()),
     # every routed-experts layer: the dense export runs E / k times the routed work (kiln/passes/fuse_moe.py)
-    "fuse-moe": Stage(lambda f, o, d: FuseMixtureOfExperts(), coverage="fused", expected=lambda f: f.experts_layers),
-    "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(f.num_heads, f.head_size), coverage="fused"),
+    "fuse-moe": Stage(lambda f, o, d: FuseMixtureOfExperts(), coverage="fused", expected=lambda f: f.experts_layers,
+                      covers="experts"),
+    "fuse-mha": Stage(lambda f, o, d: FuseMultiHeadAttention(), coverage="fused"),
     "fuse-bias-gelu": Stage(lambda f, o, d: FuseBiasGelu()),
     # RMSNorm: ORT's CPU kernel is fast, so residual RMSNorms become SkipSimplifiedLayerNormalization and the
     # rest stay whole (prefill 36.1 vs 37.4 ms decomposed, 32M Llama, batch 1 x 128).
@@ -118,7 +126,7 @@ STAGES: dict[str, Stage] = {
     # LayerNorms are decomposed rather than fused into SkipLayerNormalization: ORT's CPU LayerNorm kernel is
     # 3-5x slower than the elementwise form (see kiln/passes/decompose_norm.py).
     "decompose-norm": Stage(lambda f, o, d: DecomposeNorm()),
-    "canonicalize-attention": Stage(lambda f, o, d: CanonicalizeAttention(f.head_size), coverage="canonical"),
+    "canonicalize-attention": Stage(lambda f, o, d: CanonicalizeAttention(f.head_size)),
     # FP16 graphs keep a decoder's KV cache in FP16 at the boundary too; BF16 ones in FP32 (numpy has no bfloat16)
     "reduce-precision": Stage(lambda f, o, d: ReducePrecision(REDUCED_FLOAT.get(o.precision, "float16"),
                                                               retyped_io=KV_IO if o.precision == "fp16" else ())),
@@ -168,65 +176,73 @@ def nbits(f: ModelFacts, o: CompileOptions, d: StageData) -> Pass:
         embedding_bits=head if f.kind == "decoder" and not trt else 0, form="dequantize" if trt else "matmulnbits")
 
 
-CLEANUP = ("eliminate-identity", "fold-constants", "dedup-initializers", "eliminate-unused-io")
+CLEANUP = ("eliminate-identity", "fold-constants", "dedup-initializers", "eliminate-unused-io", "broadcast-rotary")
 INT8 = ("gemm-to-matmul", "smoothquant", "split-outliers")
 """Before a quantizer: one weight-MatMul form (GPT-2's Conv1D exports as Gemm), then the calibrated rewrites."""
+DECODER_ATTENTION = ("fuse-gqa", "kv-cache", "kv-cache-concat", "lower-attention")
+"""A decoder's attention: GroupQueryAttention with the in-place cache where every layer fits it, else a Concat cache
+on the captured nodes and standard ops."""
 
 # (target, kind, precision) -> stage names in order. Precision "int8-static" is INT8 in QDQ form
 # (``--static``; TensorRT's only INT8). TensorRT: standard-domain ops only (checked last by a gate), attention
 # in the canonical form its fused MHA kernel takes, norms kept whole (TensorRT fuses them) and pinned to
 # FP32 when the graph is reduced precision. Every recipe is verified on ONNX Runtime CPU.
 RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
-    ("cpu", "encoder", "fp32"): (*CLEANUP, "fuse-attention", "fuse-bias-gelu", "decompose-norm", "eliminate-dead-nodes"),
+    ("cpu", "encoder", "fp32"): (*CLEANUP, "fuse-attention", "lower-attention", "fuse-bias-gelu", "decompose-norm",
+                                 "eliminate-dead-nodes"),
     # the fused Attention becomes QAttention (its packed QKV GEMM in INT8, as ONNX Runtime's quantizer does)
-    ("cpu", "encoder", "int8"): (*CLEANUP, "fuse-attention", "fuse-bias-gelu", "decompose-norm", *INT8,
-                                 "quantize-int8", "eliminate-dead-nodes"),
+    ("cpu", "encoder", "int8"): (*CLEANUP, "fuse-attention", "lower-attention", "fuse-bias-gelu", "decompose-norm",
+                                 *INT8, "quantize-int8", "eliminate-dead-nodes"),
     # fuse-mha keeps Q/K/V plain MatMuls the QDQ pairs can wrap
-    ("cpu", "encoder", "int8-static"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", *INT8,
-                                        "quantize-qdq", "eliminate-dead-nodes"),
-    ("cpu", "decoder", "fp32"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
+    ("cpu", "encoder", "int8-static"): (*CLEANUP, "fuse-mha", "lower-attention", "fuse-bias-gelu", "decompose-norm",
+                                        *INT8, "quantize-qdq", "eliminate-dead-nodes"),
+    ("cpu", "decoder", "fp32"): (*CLEANUP, *DECODER_ATTENTION, "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", "logits-to-keep", "eliminate-dead-nodes"),
     # blocked 8-bit kernel (MatMulNBits), tied lm_head included; outliers split: at block 128 SmolLM2's worst row
     # cosine is 0.9849 with, 0.93 without (parity fails), for 146 vs 170 tok/s (docs/int8.md)
-    ("cpu", "decoder", "int8"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
+    ("cpu", "decoder", "int8"): (*CLEANUP, *DECODER_ATTENTION, "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
                                  "decompose-norm", *INT8, "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
-    ("cpu", "decoder", "int8-static"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-bias-gelu", "fuse-skip-layernorm",
+    ("cpu", "decoder", "int8-static"): (*CLEANUP, *DECODER_ATTENTION, "fuse-bias-gelu", "fuse-skip-layernorm",
                                         "decompose-norm", *INT8, "quantize-qdq", "logits-to-keep", "eliminate-dead-nodes"),
     # weight-only 4-bit (GPTQ codes or round-to-nearest): no SmoothQuant or outlier split, they would change the
     # weights the solver's codes replace; encoders keep Q/K/V as plain MatMuls (fuse-mha) so they are quantized too
-    ("cpu", "encoder", "int4"): (*CLEANUP, "fuse-mha", "fuse-bias-gelu", "decompose-norm", "gemm-to-matmul",
-                                 "quantize-nbits", "eliminate-dead-nodes"),
-    ("cpu", "decoder", "int4"): (*CLEANUP, "fuse-gqa", "kv-cache", "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                 "decompose-norm", "gemm-to-matmul", "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
-    ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "decompose-norm", "eliminate-dead-nodes"),
-    ("tensorrt", "encoder", "fp32"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "eliminate-dead-nodes",
-                                      "check-tensorrt-ops"),
-    # decoders: the KV cache as standard-op Concats (kv-cache-concat), Attention itself without cache IO
-    ("tensorrt", "decoder", "fp32"): (*CLEANUP, "canonicalize-attention", "kv-cache-concat", "pin-norms-fp32",
+    ("cpu", "encoder", "int4"): (*CLEANUP, "fuse-mha", "lower-attention", "fuse-bias-gelu", "decompose-norm",
+                                 "gemm-to-matmul", "quantize-nbits", "eliminate-dead-nodes"),
+    ("cpu", "decoder", "int4"): (*CLEANUP, *DECODER_ATTENTION, "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
+                                 "decompose-norm", "gemm-to-matmul", "quantize-nbits", "logits-to-keep",
+                                 "eliminate-dead-nodes"),
+    ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "lower-attention", "decompose-norm", "eliminate-dead-nodes"),
+    ("tensorrt", "encoder", "fp32"): (*CLEANUP, "lower-attention", "canonicalize-attention", "pin-norms-fp32",
                                       "eliminate-dead-nodes", "check-tensorrt-ops"),
+    # decoders: the KV cache as standard-op Concats (kv-cache-concat), Attention itself without cache IO
+    ("tensorrt", "decoder", "fp32"): (*CLEANUP, "kv-cache-concat", "lower-attention", "canonicalize-attention",
+                                      "pin-norms-fp32", "eliminate-dead-nodes", "check-tensorrt-ops"),
     # FP16 / BF16: weights and activations reduced, index-derived values and IO kept, then norms, softmax and
     # reductions pinned back to FP32 (TensorRT's networks are strongly typed: the graph's types are the precision)
-    **{("tensorrt", kind, p): (*CLEANUP, "canonicalize-attention", *(("kv-cache-concat",) if kind == "decoder" else ()),
-                               "reduce-precision", "pin-norms-fp32", "eliminate-dead-nodes", "check-tensorrt-ops")
+    **{("tensorrt", kind, p): (*CLEANUP, *(("kv-cache-concat",) if kind == "decoder" else ()), "lower-attention",
+                               "canonicalize-attention", "reduce-precision", "pin-norms-fp32", "eliminate-dead-nodes",
+                               "check-tensorrt-ops")
        for kind in ("encoder", "decoder") for p in ("fp16", "bf16")},
-    ("tensorrt", "encoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", *INT8, "quantize-qdq",
-                                             "eliminate-dead-nodes", "check-tensorrt-ops"),
-    ("tensorrt", "decoder", "int8-static"): (*CLEANUP, "canonicalize-attention", "kv-cache-concat", "pin-norms-fp32",
+    ("tensorrt", "encoder", "int8-static"): (*CLEANUP, "lower-attention", "canonicalize-attention", "pin-norms-fp32",
                                              *INT8, "quantize-qdq", "eliminate-dead-nodes", "check-tensorrt-ops"),
+    ("tensorrt", "decoder", "int8-static"): (*CLEANUP, "kv-cache-concat", "lower-attention", "canonicalize-attention",
+                                             "pin-norms-fp32", *INT8, "quantize-qdq", "eliminate-dead-nodes",
+                                             "check-tensorrt-ops"),
     # blocked INT4 DequantizeLinear (opset 21) + MatMul, symmetric with positive scales
-    ("tensorrt", "encoder", "int4"): (*CLEANUP, "canonicalize-attention", "pin-norms-fp32", "gemm-to-matmul",
-                                      "quantize-nbits", "eliminate-dead-nodes", "check-tensorrt-ops"),
-    ("tensorrt", "decoder", "int4"): (*CLEANUP, "canonicalize-attention", "kv-cache-concat", "pin-norms-fp32",
+    ("tensorrt", "encoder", "int4"): (*CLEANUP, "lower-attention", "canonicalize-attention", "pin-norms-fp32",
                                       "gemm-to-matmul", "quantize-nbits", "eliminate-dead-nodes", "check-tensorrt-ops"),
+    ("tensorrt", "decoder", "int4"): (*CLEANUP, "kv-cache-concat", "lower-attention", "canonicalize-attention",
+                                      "pin-norms-fp32", "gemm-to-matmul", "quantize-nbits", "eliminate-dead-nodes",
+                                      "check-tensorrt-ops"),
 }
 
 
 class FusionCoverageError(KilnError):
-    """Fewer fusions than the model has attention blocks: the graph would ship half-optimised."""
+    """``--require-fusion``: some attention (or routed-experts) blocks run on the unfused path."""
 
 
 def precision_mode(options: CompileOptions) -> str:
-    """The recipe column: fp32, int8 (dynamic) or int8-static (QDQ; TensorRT's INT8 is always static)."""
+    """The recipe column: fp32, int8 (dynamic) or int8-static (QDQ; TensorRT's only INT8 is always static)."""
     if options.precision == "int8" and (options.static or options.target == "tensorrt"):
         return "int8-static"
     return options.precision
@@ -248,6 +264,9 @@ def recipe(kind: str, options: CompileOptions) -> list[str]:
     if quantizers:
         raise UsageError(f"--disable-pass {quantizers[0]} leaves a --precision {options.precision} graph unquantized; "
                          "compile with --precision fp32 instead")
+    if "lower-attention" in options.disabled_passes:
+        raise UsageError("--disable-pass lower-attention would leave kiln's captured attention nodes in the artifact, "
+                         "which no runtime runs; disable the fusion passes instead")
     return [n for n in row if STAGES[n].when(options)]
 
 
@@ -257,24 +276,54 @@ def build_pass(name: str, facts: ModelFacts, options: CompileOptions, data: Stag
     return p
 
 
-def check_coverage(record: list[dict[str, Any]], facts: ModelFacts, allow_partial: bool, graph: str = "") -> list[str]:
-    """Compare fusion counts with the attention blocks the config implies; raise (or, if allowed, return) shortfalls."""
-    problems = []
+def attention_summary(record: list[dict[str, Any]], facts: ModelFacts, require_fusion: bool, graph: str = "",
+                      delegated: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Which attention blocks run fused, and why the others do not, from the passes' record (each fusion stage's
+    count against one per block, their reasons, the capture's calls left to the model's own code). Returns the
+    summary (the manifest's ``attention``) and one line per shortfall; raises under ``--require-fusion``."""
+    fused, lowered, reasons, cache, experts = 0, {}, [], None, None
     for entry in record:
         stage = STAGES.get(entry["name"])
         if stage is None or stage.coverage is None or entry.get("disabled"):
             continue
-        expected = stage.expected(facts)
-        got = entry["stats"].get(stage.coverage, 0)
+        expected, got = stage.expected(facts), int(entry["stats"].get(stage.coverage, 0))
         entry["coverage"] = {"expected": expected, "fused": got}
-        if got < expected:
-            reasons = "; ".join(f"{r['where']}: {r['why']}" for r in entry.get("skipped", [])[:3]) or \
-                "nothing matched the rule (the graph has no block it recognises)"
-            where = f" in {graph}" if graph else ""
-            problems.append(f"{entry['name']} fused {got} of {expected} expected{where} ({reasons})")
-    if problems and not allow_partial:
-        raise FusionCoverageError(
-            f"incomplete fusion: {' | '.join(problems)}; pass --allow-partial-fusion to ship it anyway, "
-            "or --disable-pass the rule"
-        )
-    return problems
+        skipped = entry.get("skipped", [])
+        if stage.covers == "attention":
+            fused += got
+            if got:
+                lowered[entry["name"]] = got
+            if got < expected:
+                reasons += [f"{entry['name']}: {r['where']}: {r['why']}" for r in skipped]
+        elif stage.covers == "lowered" and got:
+            lowered[entry["name"]] = got
+        elif stage.covers == "cache" and got:
+            cache = entry["name"]
+        elif stage.covers == "experts" and expected:
+            experts = {"layers": expected, "fused": got,
+                       "unfused_why": [f"{r['where']}: {r['why']}" for r in skipped][:3] if got < expected else []}
+    layers = facts.num_layers * facts.attentions_per_layer
+    unfused = max(layers - fused, 0)
+    why = sorted(set(reasons))
+    for d in delegated or []:
+        why.append(f"layer {d['layer']} ({d['module']}): {d['why']}")
+    if unfused and not why:
+        why.append("the family computes attention itself (it does not call transformers' attention interface): "
+                   "its attention runs as traced")
+    summary: dict[str, Any] = {"layers": layers, "fused": fused, "lowered": lowered, "unfused": unfused,
+                               "why": why[:8]}
+    if facts.kind == "decoder" and graph == "":
+        summary["cache"] = cache
+    if experts is not None:
+        summary["experts"] = experts
+    problems = []
+    where = f" in {graph}" if graph else ""
+    if unfused:
+        problems.append(f"{unfused} of {layers} attention blocks{where} run unfused ({'; '.join(why[:3])})")
+    if experts is not None and experts["fused"] < experts["layers"]:
+        problems.append(f"{experts['layers'] - experts['fused']} of {experts['layers']} routed-experts layers{where} "
+                        f"run dense ({'; '.join(experts['unfused_why'][:2])})")
+    if problems and require_fusion:
+        raise FusionCoverageError(f"incomplete fusion: {' | '.join(problems)}; drop --require-fusion to ship the "
+                                  "verified fallback (recorded in the manifest), or --disable-pass the rule")
+    return summary, problems

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kiln.compiler import capture
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.scoped import logger_level
 from kiln.errors import ExportError
@@ -79,7 +80,7 @@ def io_specs(ckpt: Checkpoint) -> tuple[list[TensorSpec], list[TensorSpec]]:
         inputs.append(TensorSpec("token_type_ids", "int64", seq, True, "zeros"))
     cfg = ckpt.config
     if ckpt.task == "causal-lm":
-        outputs = [TensorSpec("logits", "float32", (*seq, int(cfg.vocab_size)))]
+        outputs = [TensorSpec("logits", "float32", (*seq, ckpt.vocab_size))]
     elif ckpt.task == "token-classification":
         outputs = [TensorSpec("logits", "float32", (*seq, int(cfg.num_labels)))]
     elif ckpt.task == "sequence-classification":
@@ -92,8 +93,9 @@ def io_specs(ckpt: Checkpoint) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, outputs
 
 
-def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: int) -> None:
-    """Trace to ``path`` (weights over ``external_data_threshold`` bytes beside it, in ``path.data``)."""
+def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: int) -> capture.Log:
+    """Trace to ``path`` (weights over ``external_data_threshold`` bytes beside it, in ``path.data``), attention
+    captured (``kiln.compiler.capture``); returns what the capture saw."""
     module = graph_module(ckpt)
     inputs, outputs = io_specs(ckpt)
     example = tuple(torch.randint(0, 2, (2, 8), dtype=torch.long) for _ in inputs)
@@ -104,10 +106,9 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
         # The exporter logs every op registration it skips (torchvision absent, ...): not the user's concern.
         with warnings.catch_warnings(), torch.no_grad(), logger_level("torch.onnx", logging.ERROR):
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(
+            program, log = capture.export(
                 module, example, dynamic_shapes=dynamic, input_names=[s.name for s in inputs],
-                output_names=[s.name for s in outputs], dynamo=True, opset_version=opset,
-                optimize=True, verbose=False,
+                output_names=[s.name for s in outputs], opset_version=opset, optimize=True, verbose=False,
             )
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -118,6 +119,7 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
     weight_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters())
     external = weight_bytes > external_data_threshold
     program.save(str(path), external_data=external)
+    return log
 
 
 class EagerRunner:

@@ -21,23 +21,36 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kiln.compiler import capture
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.manifest import kv_names
 from kiln.compiler.scoped import logger_level
-from kiln.errors import ExportError
+from kiln.errors import ExportError, UnsupportedModelError
 from kiln.runtimes.artifact import TensorSpec
 
 ENCODER, DECODER = "encoder.onnx", "decoder.onnx"
 
 
 def shapes(ckpt: Checkpoint) -> dict[str, int]:
+    """Layer, head and width counts of an encoder-decoder, from whichever of the usual config names it uses."""
     cfg = ckpt.config
-    layers = int(getattr(cfg, "num_decoder_layers", None) or getattr(cfg, "decoder_layers", None) or cfg.num_layers)
-    encoder_layers = int(getattr(cfg, "encoder_layers", None) or cfg.num_layers)
-    heads = int(getattr(cfg, "decoder_attention_heads", None) or cfg.num_heads)
-    hidden = int(cfg.d_model)
-    head_size = int(getattr(cfg, "d_kv", None) or hidden // heads)
-    return {"layers": layers, "encoder_layers": encoder_layers, "heads": heads, "head_size": head_size, "hidden": hidden}
+
+    def first(*keys: str) -> int | None:
+        return next((int(getattr(cfg, k)) for k in keys if isinstance(getattr(cfg, k, None), int)), None)
+
+    general = ("num_layers", "num_hidden_layers")
+    found = {"layers": first("num_decoder_layers", "decoder_layers", *general),
+             "encoder_layers": first("encoder_layers", "num_encoder_layers", *general),
+             "heads": first("decoder_attention_heads", "num_decoder_attention_heads", "num_heads", "num_attention_heads"),
+             "hidden": first("d_model", "hidden_size")}
+    missing = [k for k, v in found.items() if not v]
+    if missing:
+        raise UnsupportedModelError(f"checkpoint {ckpt.path} ({ckpt.model_type}) names its {', '.join(missing)} in a "
+                                    "way kiln does not read (decoder_layers / num_layers, decoder_attention_heads / "
+                                    "num_heads, d_model / hidden_size)")
+    out: dict[str, int] = {k: int(v) for k, v in found.items() if v}
+    out["head_size"] = first("d_kv", "head_dim") or out["hidden"] // out["heads"]
+    return out
 
 
 def _cache(layers: int, kv: tuple[torch.Tensor, ...] = ()):
@@ -95,7 +108,7 @@ def io(ckpt: Checkpoint) -> dict[str, dict[str, list[TensorSpec]]]:
     cross = ("batch", s["heads"], "source", s["head_size"])
     past = ("batch", s["heads"], "past_sequence", s["head_size"])
     present = ("batch", s["heads"], "present_sequence", s["head_size"])
-    vocab = int(ckpt.config.vocab_size)
+    vocab = ckpt.vocab_size
     return {
         "encoder": {"inputs": [TensorSpec("input_ids", "int64", ("batch", "source")),
                                TensorSpec("attention_mask", "int64", ("batch", "source"), True, "ones")],
@@ -111,7 +124,8 @@ def io(ckpt: Checkpoint) -> dict[str, dict[str, list[TensorSpec]]]:
     }
 
 
-def export(ckpt: Checkpoint, root: Path, opset: int) -> None:
+def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
+    """Trace both graphs, attention captured; returns what the capture saw in each."""
     s = shapes(ckpt)
     spec = io(ckpt)
     batch = torch.export.Dim("batch", min=1, max=1024)
@@ -125,24 +139,25 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> None:
         with warnings.catch_warnings(), torch.no_grad(), logger_level("torch.onnx", logging.ERROR):
             warnings.simplefilter("ignore")
             cross = enc(ids, mask)
-            program = torch.onnx.export(
+            program, log = capture.export(
                 enc, (ids, mask), dynamic_shapes={"input_ids": {0: batch, 1: source}, "attention_mask": {0: batch, 1: source}},
                 input_names=[t.name for t in spec["encoder"]["inputs"]], output_names=[t.name for t in spec["encoder"]["outputs"]],
-                dynamo=True, opset_version=opset, optimize=True, verbose=False)
+                opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / ENCODER))
             kv: list[torch.Tensor] = []
             for i in range(s["layers"]):
                 own = torch.randn(2, s["heads"], 3, s["head_size"])
                 kv += [own, own.clone(), cross[2 * i], cross[2 * i + 1]]
             kv_dims = tuple({0: batch, 2: past} if j % 4 < 2 else {0: batch, 2: source} for j in range(len(kv)))
-            program = torch.onnx.export(
+            program, decoder_log = capture.export(
                 DecoderGraph(ckpt).eval(), (ids[:, :2], mask, *kv),
                 dynamic_shapes={"decoder_input_ids": {0: batch, 1: seq}, "encoder_attention_mask": {0: batch, 1: source},
                                 "kv": kv_dims},
                 input_names=[t.name for t in spec["decoder"]["inputs"]], output_names=[t.name for t in spec["decoder"]["outputs"]],
-                dynamo=True, opset_version=opset, optimize=True, verbose=False)
+                opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / DECODER))
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
                           "report it with the checkpoint's config.json") from e
+    return {ENCODER: log, DECODER: decoder_log}

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler import capture
 from kiln.compiler.lazy import LazyWeights, parameter_keys
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.scoped import logger_level
@@ -95,8 +96,9 @@ def fake_parameters(shell: Any) -> None:
             module._parameters[name] = made[id(p)]
 
 
-def export(ckpt: Checkpoint, path: Path, opset: int, say: Callable[[str], None]) -> dict[str, Any]:
-    """Trace ``ckpt.model`` (the empty shell) to ``path``, its weights streamed into ``path.data``."""
+def export(ckpt: Checkpoint, path: Path, opset: int, say: Callable[[str], None]) -> capture.Log:
+    """Trace ``ckpt.model`` (the empty shell) to ``path``, its weights streamed into ``path.data``, attention captured
+    (``kiln.compiler.capture``); returns what the capture saw."""
     import onnx_ir as ir
     import onnxscript.optimizer
     import onnxscript.rewriter.onnx_fusions
@@ -114,11 +116,11 @@ def export(ckpt: Checkpoint, path: Path, opset: int, say: Callable[[str], None])
     try:
         with warnings.catch_warnings(), torch.no_grad(), logger_level("torch.onnx", logging.ERROR):
             warnings.simplefilter("ignore")
-            program = torch.onnx.export(
+            program, log = capture.export(
                 module, example, dynamic_shapes=dynamic, input_names=[s.name for s in inputs],
-                output_names=[s.name for s in outputs], dynamo=True, opset_version=opset, optimize=False, verbose=False)
+                output_names=[s.name for s in outputs], opset_version=opset, optimize=False, verbose=False)
         model = program.model
-        stats = attach_weights(model, ckpt)
+        attach_weights(model, ckpt)
         onnxscript.optimizer.optimize_ir(model)
         onnxscript.rewriter.onnx_fusions.fuse(model)
     except ExportError:
@@ -143,4 +145,4 @@ def export(ckpt: Checkpoint, path: Path, opset: int, say: Callable[[str], None])
 
     ir.save(model, str(path), external_data=path.name + ".data", size_threshold_bytes=1024, max_workers=1,
             callback=progress)
-    return stats
+    return log

@@ -40,6 +40,8 @@ class Graph:
                 if inp:
                     self.consumers[inp].append(node)
         self.initializers = {t.name: t for t in self.g.initializer}
+        self._ranks: dict[str, int] | None = None
+        self._inferred = False
         self.graph_inputs = {i.name for i in self.g.input}
         self.graph_outputs = {o.name for o in self.g.output}
 
@@ -88,6 +90,23 @@ class Graph:
         """An initializer's shape without reading its data (None for anything else)."""
         t = self.initializers.get(name)
         return tuple(int(d) for d in t.dims) if t is not None else None
+
+    def rank(self, value: str) -> int | None:
+        """The rank of ``value``: declared (value_info, inputs, outputs, initializers), else from ONNX shape
+        inference (run once per index, and only when asked); None when neither knows."""
+        if value in self.initializers:
+            return len(self.initializers[value].dims)
+        if self._ranks is None:
+            self._ranks = self._declared_ranks(self.g)
+        if value not in self._ranks and not self._inferred:
+            self._inferred = True
+            self._ranks.update(self._declared_ranks(onnx.shape_inference.infer_shapes(self.model).graph))
+        return self._ranks.get(value)
+
+    @staticmethod
+    def _declared_ranks(graph: onnx.GraphProto) -> dict[str, int]:
+        return {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.value_info, *graph.input, *graph.output)
+                if v.type.tensor_type.HasField("shape")}
 
     def ancestors_inputs(self, value: str) -> set[str]:
         """Graph inputs that ``value`` depends on."""
@@ -211,3 +230,30 @@ def attr(node: onnx.NodeProto, name: str, default=None):
         if a.name == name:
             return onnx.helper.get_attribute_value(a)
     return default
+
+
+def emit(g: Graph, new: list[onnx.NodeProto], op: str, inputs: list[str], base: str, domain: str = "",
+         **attrs) -> str:
+    """Append one node of ``op`` to ``new`` with a fresh output named after ``base``; returns that output."""
+    out = g.fresh(base)
+    new.append(onnx.helper.make_node(op, inputs, [out], name=g.fresh(op), domain=domain, **attrs))
+    return out
+
+
+class Constants:
+    """Small initializers a rewrite makes once per pass run, found again by key."""
+
+    def __init__(self, g: Graph) -> None:
+        self.g = g
+        self.made: dict[str, str] = {}
+
+    def int64(self, key: str, values: list[int] | int) -> str:
+        return self._get(f"i:{key}", lambda: np.array(values, np.int64), key)
+
+    def float32(self, key: str, value: float) -> str:
+        return self._get(f"f:{key}", lambda: np.array(value, np.float32), key)
+
+    def _get(self, key: str, make, base: str) -> str:
+        if key not in self.made:
+            self.made[key] = self.g.add_initializer(base.split(":")[0], make())
+        return self.made[key]

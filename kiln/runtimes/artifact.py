@@ -81,6 +81,13 @@ class Manifest:
         return self.data.get("tokenizer")
 
 
+def cache_shape(kv: dict[str, Any], name: str, batch: int, positions: int) -> tuple[int, int, int, int]:
+    """(batch, kv heads, positions, features) of one KV-cache tensor: values may have fewer features than keys
+    (``value_head_size``: multi-head latent attention)."""
+    size = kv.get("value_head_size", kv["head_size"]) if name.endswith(".value") else kv["head_size"]
+    return batch, int(kv["num_kv_heads"]), positions, int(size)
+
+
 def read_manifest(root: str | Path, verify_files: bool = True) -> Manifest:
     """Load ``manifest.json`` from an artifact directory and check it against the files beside it."""
     root = Path(root)

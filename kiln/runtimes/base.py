@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import ArtifactError, InputError
-from kiln.runtimes.artifact import Manifest, TensorSpec
+from kiln.runtimes.artifact import Manifest, TensorSpec, cache_shape
 
 _KINDS = {"int64": "i", "int32": "i", "float32": "f", "float16": "f", "bool": "b"}
 
@@ -26,8 +26,7 @@ class CacheRunner:
 
     def __init__(self, runtime: "Runtime", kv: dict, batch: int) -> None:
         self.runtime = runtime
-        shape = (batch, kv["num_kv_heads"], 0, kv["head_size"])
-        self.past = {name: np.zeros(shape, kv.get("dtype", "float32")) for name in kv["past"]}
+        self.past = {name: np.zeros(cache_shape(kv, name, batch, 0), kv.get("dtype", "float32")) for name in kv["past"]}
         self.present = dict(zip(kv["present"], kv["past"]))
         # graphs with the input: the head runs for the last position only (generation reads no other)
         self.fixed = {kv["logits_to_keep"]: np.array(1, np.int64)} if kv.get("logits_to_keep") else {}
@@ -45,6 +44,27 @@ class CacheRunner:
 
     def close(self) -> None:
         self.past = {}
+
+
+class RecomputeRunner:
+    """Steps a decoder compiled without a KV cache (its attention runs as traced, and the manifest's ``attention``
+    section says why): every step runs the whole sequence so far and returns the new positions' logits. Correct,
+    and slower than a cache by the length of the sequence."""
+
+    def __init__(self, runtime: "Runtime", batch: int, logits_to_keep: str | None = None) -> None:
+        self.runtime = runtime
+        self.ids: np.ndarray | None = None
+        self.fixed = {logits_to_keep: np.array(1, np.int64)} if logits_to_keep else {}
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """Feed the new tokens (batch, new) and the mask over all tokens so far; return (batch, new, vocab), or
+        (batch, 1, vocab) for the last position where the graph takes ``logits_to_keep``."""
+        self.ids = input_ids if self.ids is None else np.concatenate([self.ids, input_ids], 1)
+        out = self.runtime.run({"input_ids": self.ids, "attention_mask": attention_mask, **self.fixed})
+        return out["logits"][:, -input_ids.shape[1]:]
+
+    def close(self) -> None:
+        self.ids = None
 
 
 class Seq2SeqRunner(CacheRunner):
@@ -68,6 +88,10 @@ class Runtime(abc.ABC):
         """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``); ``length``: the
         positions the request needs (prompt + new tokens), None for the artifact's whole capacity."""
         return CacheRunner(self, kv, batch)
+
+    def recompute_runner(self, batch: int, logits_to_keep: str | None = None) -> RecomputeRunner:
+        """A step runner for a decoder compiled without a KV cache: each step recomputes the whole sequence."""
+        return RecomputeRunner(self, batch, logits_to_keep)
 
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
         """A step runner for an encoder-decoder's decoder graph given the encoder's cross keys/values."""

@@ -126,11 +126,15 @@ def steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_t
     """Decoder-only generation: prefill the prompt, then one token per step through the cache runner.
     Yields the tokens so far (batch, prompt + generated)."""
     kv = manifest_data.get("kv_cache")
-    if not kv or manifest_data["model"]["task"] != "causal-lm":
+    recompute = not kv and bool((manifest_data.get("generation") or {}).get("recompute"))
+    if not (kv or recompute) or manifest_data["model"]["task"] != "causal-lm":
         raise ArtifactError("this artifact cannot generate: it is not a causal-lm decoder compiled with a KV cache; "
                             "compile a *ForCausalLM checkpoint with kiln compile")
-    check_request(kv, prompt.ids.shape[1], max_new_tokens, sampling, int(manifest_data["model"]["max_sequence_length"]))
-    runner = runtime.cache_runner(kv, prompt.ids.shape[0], prompt.ids.shape[1] + max_new_tokens)
+    max_model = int(manifest_data["model"]["max_sequence_length"])
+    check_request(kv or {"capacity": max_model}, prompt.ids.shape[1], max_new_tokens, sampling, max_model)
+    runner = runtime.recompute_runner(prompt.ids.shape[0], manifest_data["generation"].get("logits_to_keep")) \
+        if recompute else \
+        runtime.cache_runner(kv, prompt.ids.shape[0], prompt.ids.shape[1] + max_new_tokens)
     mask = prompt.mask
 
     def advance(tokens: np.ndarray | None) -> np.ndarray:

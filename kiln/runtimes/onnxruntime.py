@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln.errors import ArtifactError, ClosedError
-from kiln.runtimes.artifact import Manifest
+from kiln.runtimes.artifact import Manifest, cache_shape
 from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner
 
 log = logging.getLogger(__name__)
@@ -149,8 +149,8 @@ class BoundSeq2SeqCache(Seq2SeqRunner):
                       **{n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(cross[n])) for n in kv["cross"]}}
         for name, value in self.fixed.items():
             self.binding.bind_ortvalue_input(name, value)
-        empty = np.zeros((mask.shape[0], kv["num_kv_heads"], 0, kv["head_size"]), np.float32)
-        self.past = {n: ort.OrtValue.ortvalue_from_numpy(empty) for n in kv["past"]}
+        self.past = {n: ort.OrtValue.ortvalue_from_numpy(np.zeros(cache_shape(kv, n, mask.shape[0], 0), np.float32))
+                     for n in kv["past"]}
         self.pairs = list(zip(kv["past"], kv["present"]))
         self.outputs = ["logits"] + [present for _, present in self.pairs]
         self._keep: np.ndarray | None = None

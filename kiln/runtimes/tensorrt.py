@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import ArtifactError, InputError, KilnError, UsageError
-from kiln.runtimes.artifact import Manifest, read_manifest
+from kiln.runtimes.artifact import Manifest, cache_shape, read_manifest
 from kiln.runtimes.base import CacheRunner, Runtime
 from kiln.runtimes.cuda import CudaDriver, compute_capability
 from kiln.runtimes.engines import (
@@ -327,11 +327,13 @@ class DeviceCache(CacheRunner):
         self.runtime = self.engine = runtime
         self.cuda = runtime._cuda
         self.positions = int(length or kv["capacity"])
-        self.heads, self.head_size, self.batch = int(kv["num_kv_heads"]), int(kv["head_size"]), batch
+        self.kv, self.batch = kv, batch
         self.pairs = list(zip(kv["past"], kv["present"]))
         itemsize = runtime._dtypes[self.pairs[0][0]].itemsize
-        nbytes = batch * self.heads * self.positions * self.head_size * itemsize
-        self.buffers = {past: [self.cuda.alloc(nbytes), self.cuda.alloc(nbytes)] for past, _ in self.pairs}
+        self.buffers = {}
+        for past, _ in self.pairs:
+            nbytes = int(np.prod(cache_shape(kv, past, batch, self.positions))) * itemsize
+            self.buffers[past] = [self.cuda.alloc(nbytes), self.cuda.alloc(nbytes)]
         self.current = 0
         self.past_len = 0
         self.fixed = {kv["logits_to_keep"]: np.array(1, np.int64)} if kv.get("logits_to_keep") else {}
@@ -341,8 +343,8 @@ class DeviceCache(CacheRunner):
         if self.past_len + new > self.positions:
             raise InputError(f"the request needs {self.past_len + new} positions but its cache holds {self.positions}; "
                              "ask for fewer new tokens")
-        shape = (self.batch, self.heads, self.past_len, self.head_size)
-        inputs = {past: (self.buffers[past][self.current], shape) for past, _ in self.pairs}
+        inputs = {past: (self.buffers[past][self.current], cache_shape(self.kv, past, self.batch, self.past_len))
+                  for past, _ in self.pairs}
         outputs = {present: self.buffers[past][1 - self.current] for past, present in self.pairs}
         out = self.engine.execute({"input_ids": input_ids, "attention_mask": attention_mask, **self.fixed}, inputs,
                                    outputs, ["logits"])

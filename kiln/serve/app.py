@@ -104,7 +104,9 @@ class Server:
         self.metrics = Metrics()
         self.name = str(m.get("architecture") or model.manifest.root.name)
         self.batcher = EncoderBatcher(model, max_batch, max_wait_ms, self.metrics) if self.kind == "encoder" else None
-        self.generates = self.kind == "decoder" and bool(model.manifest.data.get("kv_cache")) or self.kind == "seq2seq"
+        data = model.manifest.data
+        self.generates = self.kind == "decoder" and bool(data.get("kv_cache") or (data.get("generation") or {}).get(
+            "recompute")) and m["task"] == "causal-lm" or self.kind == "seq2seq"
         batched = self.kind == "decoder" and self.generates and decode == "batched"
         self.scheduler = self._scheduler(model, max_batch, queue) if batched else None
         threads = max_batch + queue + 1 if self.scheduler else max_batch  # a scheduler's waiting requests block here

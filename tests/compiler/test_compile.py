@@ -48,7 +48,7 @@ def test_family_compiles_verifies_and_matches_eager(artifacts, checkpoints, fami
     else:  # decoders: one GroupQueryAttention per layer, rotary fused where the model uses RoPE
         gqa = passes["fuse-gqa"]
         assert gqa["coverage"] == {"expected": 2, "fused": 2}
-        assert gqa["stats"] == {"fused": 2, "rotary": 0 if family == "gpt2" else 2, "packed_qkv": 2}
+        assert gqa["stats"] == {"fused": 2, "rotary": 0 if family == "gpt2" else 2, "packed_qkv": 2, "layers": 2}
         graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
         ops = [n.op_type for n in graph.graph.node]
         assert ops.count("GroupQueryAttention") == 2 and "Attention" not in ops and "RotaryEmbedding" not in ops
@@ -183,7 +183,8 @@ def test_tensorrt_flavour_compiles_and_verifies_on_onnxruntime(checkpoints, tmp_
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"] == "tensorrt" and manifest["verification"]["status"] == "passed"
     passes = {p["name"]: p for p in manifest["passes"]}
-    assert passes["canonicalize-attention"]["coverage"] == {"expected": 2, "fused": 2}
+    assert passes["lower-attention"]["stats"]["onnx_attention"] == 2
+    assert passes["canonicalize-attention"]["stats"]["canonical"] == 2
     assert passes["check-tensorrt-ops"]["stats"]["checked"] > 0
     graph = onnx.load(str(out / "model.onnx"))
     assert {n.domain for n in graph.graph.node} <= {""}

@@ -187,27 +187,34 @@ def test_bin_weights_load_as_plain_tensors_only(capsys, tmp_path, good_ckpt):
     assert not os.path.exists("/tmp/kiln-pwned")
 
 
-def test_partial_fusion_fails_unless_allowed(capsys, tmp_path, good_ckpt, monkeypatch):
+def test_unfused_layers_ship_verified_and_refused_only_when_required(capsys, tmp_path, good_ckpt, monkeypatch):
+    """A layer no fused kernel takes runs on the standard-op fallback, verified, and the manifest says which and
+    why; --require-fusion makes it a failure naming the same reason."""
     from kiln.passes import fuse_attention
 
-    real = fuse_attention.FuseAttention.rewrite
+    real = fuse_attention.FuseAttention.match
     calls = {"n": 0}
 
-    def every_other(self, g, core, mask_index):  # plant a layer the matcher cannot take
+    def every_other(self, g, c, kinds, types):  # plant a layer the kernels cannot take
         calls["n"] += 1
         if calls["n"] % 2 == 0:
             raise fuse_attention.NoMatch("planted: layer shape not supported")
-        return real(self, g, core, mask_index)
+        return real(self, g, c, kinds, types)
 
-    monkeypatch.setattr(fuse_attention.FuseAttention, "rewrite", every_other)
-    assert_fails(capsys, tmp_path, [str(good_ckpt)], 1, "incomplete fusion", "fused 1 of 2", "planted", "--allow-partial-fusion")
+    monkeypatch.setattr(fuse_attention.FuseAttention, "match", every_other)
+    assert_fails(capsys, tmp_path, [str(good_ckpt), "--require-fusion"], 1, "incomplete fusion",
+                 "1 of 2 attention blocks run unfused", "planted", "--require-fusion")
     out = tmp_path / "partial"
-    rc, _, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "-q", "--allow-partial-fusion")
+    rc, _, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "-q")
     assert rc == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    attention = manifest["attention"]
+    assert (attention["layers"], attention["fused"], attention["unfused"]) == (2, 1, 1)
+    assert attention["lowered"] == {"fuse-attention": 1, "lower-attention": 1}
+    assert any("planted: layer shape not supported" in w for w in attention["why"])
     entry = next(p for p in manifest["passes"] if p["name"] == "fuse-attention")
     assert entry["coverage"] == {"expected": 2, "fused": 1}
-    assert entry["skipped"][0]["why"] == "planted: layer shape not supported"
 
 
 def test_disabled_pass_is_recorded(capsys, tmp_path, good_ckpt):
@@ -218,29 +225,35 @@ def test_disabled_pass_is_recorded(capsys, tmp_path, good_ckpt):
     assert {"name": "fuse-attention", "disabled": True, "stats": {}} in manifest["passes"]
 
 
-def test_unfusable_head_size_fails_coverage_with_reason(capsys, tmp_path):
-    """A real Llama with head size 8: GroupQueryAttention cannot take it, so compile fails naming why."""
+def test_a_head_size_the_kernel_cannot_take_compiles_on_the_fallback(capsys, tmp_path):
+    """A real Llama with head size 12: GroupQueryAttention cannot take it, so every layer runs as standard ops with
+    a Concat cache, verified through 16 greedy steps; --require-fusion fails naming why."""
     import transformers as T
 
-    cfg = T.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=64, max_position_embeddings=64)
-    ckpt = tmp_path / "llama-hd8"
+    ckpt = tmp_path / "llama-hd12"
     T.AutoModelForCausalLM.from_config(cfg).save_pretrained(ckpt)
-    assert_fails(capsys, tmp_path, [str(ckpt)], 1, "fuse-gqa fused 0 of 2 expected",
-                 "head size 8 is not a multiple of 16", "--allow-partial-fusion")
-    rc, _, _ = run_cli(capsys, "compile", str(ckpt), "-o", str(tmp_path / "ok"), "-q", "--allow-partial-fusion",
-                       "--threads", "2", "--verify-max-length", "32")
-    assert rc == 0
-    entry = next(p for p in json.loads((tmp_path / "ok" / "manifest.json").read_text())["passes"] if p["name"] == "fuse-gqa")
+    assert_fails(capsys, tmp_path, [str(ckpt), "--require-fusion"], 1, "2 of 2 attention blocks run unfused",
+                 "head size 12 is not a multiple of 8", "--require-fusion")
+    rc, _, err = run_cli(capsys, "compile", str(ckpt), "-o", str(tmp_path / "ok"), "-q", "--threads", "2",
+                         "--verify-max-length", "32")
+    assert rc == 0, err
+    manifest = json.loads((tmp_path / "ok" / "manifest.json").read_text())
+    assert manifest["attention"]["unfused"] == 2 and manifest["attention"]["cache"] == "kv-cache-concat"
+    assert manifest["kv_cache"]["shared_buffer"] is False and manifest["kv_cache"]["head_size"] == 12
+    gen = manifest["verification"]["generation"]
+    assert gen["steps"] == 16 and gen["through"] == "kv cache" and gen["max_abs_over_atol"] <= 1
+    entry = next(p for p in manifest["passes"] if p["name"] == "fuse-gqa")
     assert entry["coverage"] == {"expected": 2, "fused": 0}
 
 
 def test_broken_cache_path_fails_generation_check(capsys, tmp_path, monkeypatch):
     """Prefill parity cannot see a cache bug; the greedy-generation check must. Planted: GPT-2's learned
     positions are not cut to the new tokens, so every decode step embeds the wrong position."""
-    from kiln.passes.kv_cache import AddKVCache
+    from kiln.passes import kv_cache
 
-    monkeypatch.setattr(AddKVCache, "_slice_positions", lambda self, g: 0)
+    monkeypatch.setattr(kv_cache, "new_positions", lambda g, reads, ids: [])
     ckpt = save_checkpoint(tmp_path / "gpt2", "gpt2", "causal-lm")
     assert_fails(capsys, tmp_path, [str(ckpt), "--verify-max-length", "32"], 1, "parity check failed",
                  "greedy generation", "no artifact written")

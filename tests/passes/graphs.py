@@ -7,6 +7,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.passes import attention_node as an
+
 H, HEADS = 8, 2
 
 
@@ -26,52 +28,86 @@ def _projection(x: str, tag: str, perm: list[int], rng) -> tuple[list, list]:
     return nodes, inits
 
 
-def attention_graph(core: str = "explicit", kv_input: str = "x", causal: bool = False, seed: int = 0) -> onnx.ModelProto:
-    """Self-attention over x (B, S, 8) with 2 heads and a padding mask; ``core`` is "explicit" or "onnx"."""
+def attention_graph(kv_input: str = "x", causal: bool = False, seed: int = 0, mask: str = "bool",
+                    softcap: float = 0.0) -> onnx.ModelProto:
+    """Self-attention over x (B, S, 8) with 2 heads as kiln traces it: projections, head splits, one captured
+    attention node (``ai.kiln.CapturedAttention``) with a padding mask (``mask``: "bool", "additive" or "none";
+    ``causal`` adds the causal part), and the merge Reshape of its (B, S, H, D) output."""
     rng = np.random.default_rng(seed)
     nodes, inits = [], [_init("split_shape", np.array([0, 0, HEADS, H // HEADS], dtype=np.int64)),
                         _init("merge_shape", np.array([0, 0, H], dtype=np.int64))]
-    for tag, x, perm in (("q", "x", [0, 2, 1, 3]), ("k", kv_input, [0, 2, 3, 1] if core == "explicit" else [0, 2, 1, 3]),
-                         ("v", kv_input, [0, 2, 1, 3])):
-        n, i = _projection(x, tag, perm, rng)
+    for tag, x in (("q", "x"), ("k", kv_input), ("v", kv_input)):
+        n, i = _projection(x, tag, [0, 2, 1, 3], rng)
         nodes += n
         inits += i
-    if core == "explicit":
-        inits += [_init("scale", np.array(0.5, dtype=np.float32)), _init("one", np.array(1.0, dtype=np.float32)),
-                  _init("neg", np.array(-10000.0, dtype=np.float32)), _init("axes", np.array([1, 2], dtype=np.int64))]
-        nodes += [
-            helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
-            helper.make_node("Sub", ["one", "mask_f"], ["inv"]),
-            helper.make_node("Mul", ["inv", "neg"], ["bias2d"]),
-            helper.make_node("Unsqueeze", ["bias2d", "axes"], ["mask_bias"]),
-            helper.make_node("MatMul", ["q_t", "k_t"], ["scores"], name="scores"),
-            helper.make_node("Mul", ["scores", "scale"], ["scaled"], name="scaled"),
-            helper.make_node("Add", ["scaled", "mask_bias"], ["masked"], name="masked"),
-            helper.make_node("Softmax", ["masked"], ["probs"], name="softmax", axis=-1),
-            helper.make_node("MatMul", ["probs", "v_t"], ["ctx"], name="ctx"),
-        ]
-    else:
-        inits += [_init("axes", np.array([1, 2], dtype=np.int64)), _init("ones2", np.array([1, 1], dtype=np.int64)),
-                  _init("one1", np.array([1], dtype=np.int64))]
-        nodes += [  # ONNX Runtime wants the mask's query axis at full length: (B, 1, S, S)
-            helper.make_node("Cast", ["attention_mask"], ["mask_b"], to=TensorProto.BOOL),
-            helper.make_node("Unsqueeze", ["mask_b", "axes"], ["mask_b4"]),
-            helper.make_node("Shape", ["attention_mask"], ["mask_seq"], start=1, end=2),
-            helper.make_node("Concat", ["ones2", "mask_seq", "one1"], ["mask_shape"], axis=0),
-            helper.make_node("Expand", ["mask_b4", "mask_shape"], ["mask4d"]),
-            helper.make_node("Attention", ["q_t", "k_t", "v_t"] + ([] if causal else ["mask4d"]), ["ctx"], name="sdpa",
-                             scale=0.5, is_causal=int(causal)),
-        ]
-    nodes += [helper.make_node("Transpose", ["ctx"], ["ctx_t"], name="merge_t", perm=[0, 2, 1, 3]),
-              helper.make_node("Reshape", ["ctx_t", "merge_shape"], ["y"], name="merge_reshape")]
+    inits += [_init("axes", np.array([1, 2], dtype=np.int64)), _init("ones2", np.array([1, 1], dtype=np.int64)),
+              _init("one1", np.array([1], dtype=np.int64)), _init("c_zero", np.array(0, np.int64)),
+              _init("c_one", np.array(1, np.int64)), _init("ax_0", np.array([0], np.int64)),
+              _init("ax_1", np.array([1], np.int64)), _init("zero_f", np.array(0.0, np.float32)),
+              _init("neg_f", np.array(-1e9, np.float32))]
+    nodes += [  # (B, 1, S, S): key j is real [and j <= i]
+        helper.make_node("Cast", ["attention_mask"], ["mask_b"], to=TensorProto.BOOL),
+        helper.make_node("Unsqueeze", ["mask_b", "axes"], ["mask_b4"]),
+        helper.make_node("Shape", ["attention_mask"], ["mask_seq"], start=1, end=2),
+        helper.make_node("Concat", ["ones2", "mask_seq", "one1"], ["mask_shape"], axis=0),
+        helper.make_node("Expand", ["mask_b4", "mask_shape"], ["pad4d"]),
+    ]
+    last = "pad4d"
+    if causal:
+        nodes += [helper.make_node("Squeeze", ["mask_seq"], ["seq"]),
+                  helper.make_node("Range", ["c_zero", "seq", "c_one"], ["ar"]),
+                  helper.make_node("Unsqueeze", ["ar", "ax_0"], ["ar_row"]),
+                  helper.make_node("Unsqueeze", ["ar", "ax_1"], ["ar_col"]),
+                  helper.make_node("LessOrEqual", ["ar_row", "ar_col"], ["causal"]),
+                  helper.make_node("And", ["pad4d", "causal"], ["mask_causal"])]
+        last = "mask_causal"
+    if mask == "additive":
+        nodes.append(helper.make_node("Where", [last, "zero_f", "neg_f"], ["mask_add"]))
+        last = "mask_add"
+    node = an.make(["q_t", "k_t", "v_t", last if mask != "none" else ""], "ctx", "sdpa", scale=0.5, q_heads=HEADS,
+                   kv_heads=HEADS, head_size=H // HEADS, v_head_size=H // HEADS, causal=causal, softcap=softcap)
+    nodes += [node, helper.make_node("Reshape", ["ctx", "merge_shape"], ["y"], name="merge_reshape")]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", H]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"])]
     if kv_input != "x":
         inputs.append(helper.make_tensor_value_info(kv_input, TensorProto.FLOAT, ["batch", "sequence", H]))
     graph = helper.make_graph(nodes, "attn", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", H])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(an.DOMAIN, 1)])
     model.ir_version = 10
     return model
+
+
+def lowered(model: onnx.ModelProto, standard_op: bool = True) -> onnx.ModelProto:
+    """``model`` with every captured attention node lowered to standard ops (the ``Attention`` op, or with
+    ``standard_op=False`` MatMul / Softmax / MatMul): the runnable reference a fused graph is compared with
+    (``lower-attention`` itself is checked against numpy in test_lower_attention.py)."""
+    from kiln.passes import run_passes
+    from kiln.passes.lower_attention import LowerAttention
+
+    return run_passes(model, [LowerAttention(standard_op)])[0]
+
+
+def reference_attention(q, k, v, mask=None, scale=1.0, softcap=0.0, causal=False, sinks=None, bias=None):
+    """The captured node's contract in numpy (kiln.passes.attention_node): (B, Hq, S, D) x (B, Hkv, T, D) x
+    (B, Hkv, T, Dv) -> (B, S, Hq, Dv)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
+    s = (q.astype(np.float64) @ k.transpose(0, 1, 3, 2)) * scale
+    if softcap:
+        s = np.tanh(s / softcap) * softcap
+    if bias is not None:
+        s = s + bias
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask
+    elif causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))], -1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    if sinks is not None:
+        p = p[..., :-1]
+    return (p @ v).transpose(0, 2, 1, 3)
 
 
 def residual_graph(bias: bool = True, gelu: str | None = None, extra_use: bool = False, rms: bool = False) -> onnx.ModelProto:
@@ -125,22 +161,23 @@ def op_types(model: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in model.graph.node]
 
 
-HD = 16  # GroupQueryAttention needs a head size that is a multiple of 16
+HD = 16  # GroupQueryAttention needs a head size that is a multiple of 8; a folded rotary a multiple of 16
 
 
 def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int = HD, rotary: bool = True,
                             packed: bool | str = False, causal: bool = True, bias: bool = True, seed: int = 0,
-                            head_norm: str | None = None, merge_view: bool = False,
-                            slice_order: str = "qkv", rotary_dim: int | None = None) -> onnx.ModelProto:
-    """One decoder self-attention layer as torch.onnx exports it: projections (or a packed Split), head split,
-    RotaryEmbedding from mask-derived positions, repeat_kv, Attention-23 with a causal & padding bool mask, merge.
-    ``head_norm``: an RMSNorm over each head's features on Q and K, ``"before"`` the head split's Transpose (Qwen3)
-    or ``"after"`` it (Gemma 3). ``packed="slices"`` with ``merge_view``: Phi-3's export, Q, K and V cut from the
-    packed projection by three Slices (``slice_order`` the order their columns lie in) and a (B, -1, S, head size)
-    Reshape of the attention output before the merge. ``packed="heads"``: GPT-NeoX's export, one projection whose
-    output each head's Q, K and V lie side by side in, viewed as (B, S, heads, 3 x head size), transposed and Split
-    in three. ``rotary_dim``: partial rotary (StableLM, Phi-2), the first ``rotary_dim`` features of each Q and K
-    head rotated by a RotaryEmbedding on a Slice, Concat with the unrotated rest."""
+                            head_norm: str | None = None, slice_order: str = "qkv", rotary_dim: int | None = None,
+                            window: int = 0, prefix: int = 0) -> onnx.ModelProto:
+    """One decoder self-attention layer as kiln traces it: projections (or a packed Split), head split,
+    RotaryEmbedding from mask-derived positions, the captured attention node (``ai.kiln.CapturedAttention``) with a
+    causal & padding bool mask (``window``: also a sliding window; ``prefix``: the first ``prefix`` positions see
+    each other, a prefix-LM mask), and the merge Reshape of its (B, S, H, D) output.
+    ``head_norm``: an RMSNorm over each head's features on Q and K, ``"before"`` the head split's Transpose or
+    ``"after"`` it. ``packed="slices"``: Q, K and V cut from a packed projection by three Slices (``slice_order`` the
+    order their columns lie in). ``packed="heads"``: one projection whose output holds each head's Q, K and V side by
+    side, viewed as (B, S, heads, 3 x head size), transposed and Split in three. ``rotary_dim``: partial rotary, the
+    first ``rotary_dim`` features of each Q and K head rotated by a RotaryEmbedding on a Slice, Concat with the
+    unrotated rest."""
     rng = np.random.default_rng(seed)
     d = q_heads * head_size
     widths = {"q": d, "k": kv_heads * head_size, "v": kv_heads * head_size}
@@ -227,16 +264,7 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
         nodes += [helper.make_node("RotaryEmbedding", ["q_t", "cos", "sin"], ["q_rot"], name="q_rope", num_heads=q_heads),
                   helper.make_node("RotaryEmbedding", ["k_t", "cos", "sin"], ["k_rot"], name="k_rope", num_heads=kv_heads)]
         q, k = "q_rot", "k_rot"
-    if kv_heads != q_heads:  # repeat_kv: (B, kv, S, hd) -> (B, kv, rep, S, hd) -> (B, H, S, hd)
-        inits += [_init("rep_shape", np.array([1, 1, q_heads // kv_heads, 1, 1], np.int64)),
-                  _init("rep_merge", np.array([0, q_heads, -1, head_size], np.int64))]
-        for t in ("k", "v"):
-            cur = k if t == "k" else v
-            nodes += [helper.make_node("Unsqueeze", [cur, "ax_2"], [f"{t}_un"], name=f"{t}_un"),
-                      helper.make_node("Expand", [f"{t}_un", "rep_shape"], [f"{t}_ex"], name=f"{t}_ex"),
-                      helper.make_node("Reshape", [f"{t}_ex", "rep_merge"], [f"{t}_rep"], name=f"{t}_rep")]
-        k, v = "k_rep", "v_rep"
-    # mask = causal (j <= i) & padding (key j is real): (B, 1, S, S) bool
+    # mask = causal (j <= i) [& i - j < window] [| both in the prefix] & padding (key j is real): (B, 1, S, S) bool
     nodes += [helper.make_node("Shape", ["attention_mask"], ["seq1"], start=1, end=2),
               helper.make_node("Squeeze", ["seq1"], ["seq"]),
               helper.make_node("Range", ["c_zero", "seq", "c_one"], ["ar"]),
@@ -244,21 +272,27 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
               helper.make_node("Unsqueeze", ["ar", "ax_1"], ["ar_col"]),
               helper.make_node("Cast", ["attention_mask"], ["pad_b"], to=TensorProto.BOOL),
               helper.make_node("Unsqueeze", ["pad_b", "ax_12"], ["pad4"])]
+    allowed = "pad4"
     if causal:
-        nodes += [helper.make_node("LessOrEqual", ["ar_row", "ar_col"], ["causal"]),
-                  helper.make_node("And", ["causal", "pad4"], ["mask4"])]
+        nodes.append(helper.make_node("LessOrEqual", ["ar_row", "ar_col"], ["causal"]))
+        allowed = "causal"
+        if window:
+            inits.append(_init("window", np.array(window, np.int64)))
+            nodes += [helper.make_node("Sub", ["ar_col", "ar_row"], ["dist"]),
+                      helper.make_node("Less", ["dist", "window"], ["near"]),
+                      helper.make_node("And", ["causal", "near"], ["windowed"])]
+            allowed = "windowed"
+        if prefix:
+            inits.append(_init("prefix", np.array(prefix, np.int64)))
+            nodes += [helper.make_node("Less", ["ar_row", "prefix"], ["in_prefix"]),
+                      helper.make_node("Or", [allowed, "in_prefix"], ["prefixed"])]
+            allowed = "prefixed"
+        nodes.append(helper.make_node("And", [allowed, "pad4"], ["mask4"]))
     else:
         nodes.append(helper.make_node("Identity", ["pad4"], ["mask4"]))
-    nodes.append(helper.make_node("Attention", [q, k, v, "mask4"], ["ctx" if not merge_view else "ctx4"], name="sdpa",
-                                  scale=head_size ** -0.5))
-    if merge_view:  # Phi-3: Reshape to Concat(batch, -1, sequence, head size) first, batch and sequence from the mask
-        inits += [_init("minus1", np.array([-1], np.int64)), _init("hd1", np.array([head_size], np.int64))]
-        nodes += [helper.make_node("Shape", ["attention_mask"], ["view_b"], start=0, end=1),
-                  helper.make_node("Shape", ["attention_mask"], ["view_s"], start=1, end=2),
-                  helper.make_node("Concat", ["view_b", "minus1", "view_s", "hd1"], ["view_shape"], axis=0),
-                  helper.make_node("Reshape", ["ctx4", "view_shape"], ["ctx"], name="merge_view")]
-    nodes += [helper.make_node("Transpose", ["ctx"], ["ctx_t"], name="merge_t", perm=[0, 2, 1, 3]),
-              helper.make_node("Reshape", ["ctx_t", "merge_shape"], ["y"], name="merge_reshape")]
+    nodes.append(an.make([q, k, v, "mask4"], "ctx", "sdpa", scale=head_size ** -0.5, q_heads=q_heads, kv_heads=kv_heads,
+                         head_size=head_size, v_head_size=head_size, causal=causal, window=window))
+    nodes.append(helper.make_node("Reshape", ["ctx", "merge_shape"], ["y"], name="merge_reshape"))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", d]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "sequence"]),
               helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])]
@@ -266,7 +300,7 @@ def decoder_attention_graph(q_heads: int = 2, kv_heads: int = 1, head_size: int 
     graph = helper.make_graph(nodes, "dec_attn", inputs,
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", d]),
                                helper.make_tensor_value_info("ids_shape", TensorProto.INT64, [2])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(an.DOMAIN, 1)])
     model.ir_version = 10
     return model
 

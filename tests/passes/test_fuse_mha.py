@@ -1,12 +1,14 @@
-"""fuse-mha: encoder-decoder attention -> MultiHeadAttention (self, cached self, cross); exact, idempotent, refusals."""
+"""fuse-mha: captured encoder-decoder attention -> MultiHeadAttention (self, cached self, cross); matches the
+standard-op lowering, idempotent, refusals."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from graphs import op_types, run_unoptimised
+from graphs import lowered, op_types, run_unoptimised
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.passes import attention_node as an
 from kiln.passes import run_passes
 from kiln.passes.fuse_mha import FuseMultiHeadAttention
 
@@ -18,8 +20,9 @@ def _init(name, a):
     return numpy_helper.from_array(np.asarray(a), name)
 
 
-def mha_graph(kind: str, core: str = "onnx", causal_only: bool = False):
-    """kind: self | cached | cross. Q (and K/V for self kinds) are projections of x with head splits."""
+def mha_graph(kind: str, core: str = "mask", causal_only: bool = False):
+    """kind: self | cached | cross. Q (and K/V for self kinds) are projections of x with head splits. ``core``:
+    "mask" (the mask as the node's mask) or "position" (T5: unscaled scores, a position bias and a mask)."""
     rng = np.random.default_rng(0)
     inits = [_init("split", np.array([0, 0, N, HD], np.int64)), _init("merge", np.array([0, 0, D], np.int64))]
     nodes = []
@@ -41,20 +44,17 @@ def mha_graph(kind: str, core: str = "onnx", causal_only: bool = False):
     elif kind == "cross":
         inputs += [helper.make_tensor_value_info(f"cross_{t}", TensorProto.FLOAT, ["B", N, "T", HD]) for t in ("k", "v")]
         k, v = "cross_k", "cross_v"
-    if core == "onnx":
-        nodes.append(helper.make_node("Attention", ["qh", k, v] + ([] if causal_only else ["bias"]), ["ctx"], scale=0.5,
-                                      is_causal=int(causal_only)))
-    else:  # T5: unscaled scores + position bias + mask
+    if core == "mask":
+        inputs_ = ["qh", k, v, "" if causal_only else "bias"]
+        scale = 0.5
+    else:  # T5: unscaled scores + position bias + a padding mask
         inits.append(_init("pad", np.zeros((1, 1, 1, 1), np.float32)))
-        nodes += [helper.make_node("Transpose", [k], ["kt"], perm=[0, 1, 3, 2]),
-                  helper.make_node("MatMul", ["qh", "kt"], ["scores"]),
-                  helper.make_node("Add", ["scores", "bias"], ["biased"]),
-                  helper.make_node("Add", ["biased", "pad"], ["masked"]),
-                  helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
-                  helper.make_node("MatMul", ["probs", v], ["ctx"])]
-    nodes += [helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
-              helper.make_node("Reshape", ["ctx_t", "merge"], ["y"])]
-    m = helper.make_model(helper.make_graph(nodes, kind, inputs, outputs, inits), opset_imports=[helper.make_opsetid("", 23)])
+        inputs_, scale = ["qh", k, v, "pad", "", "bias"], 1.0
+    nodes += [an.make(inputs_, "ctx", "captured", scale=scale, q_heads=N, kv_heads=N, head_size=HD, v_head_size=HD,
+                      causal=causal_only),
+              helper.make_node("Reshape", ["ctx", "merge"], ["y"])]
+    m = helper.make_model(helper.make_graph(nodes, kind, inputs, outputs, inits), opset_imports=[helper.make_opsetid("", 23),
+                                                                                            helper.make_opsetid(an.DOMAIN, 1)])
     m.ir_version = 10
     return m
 
@@ -72,30 +72,30 @@ def feeds(kind: str, s: int = 3, past: int = 4, t_cross: int = 5):
     return f
 
 
-@pytest.mark.parametrize("core", ["onnx", "chain"])
+@pytest.mark.parametrize("core", ["mask", "position"])
 @pytest.mark.parametrize("kind", ["self", "cached", "cross"])
-def test_fuses_and_matches_unfused(kind, core):
+def test_fuses_and_matches_lowered(kind, core):
     model = mha_graph(kind, core)
-    fused, record = run_passes(model, [FuseMultiHeadAttention(N, HD)])
+    fused, record = run_passes(model, [FuseMultiHeadAttention()])
     stats = record[0]["stats"]
     assert stats["fused"] == 1 and stats[{"self": "self", "cached": "cached_self", "cross": "cross"}[kind]] == 1
     ops = op_types(fused)
-    assert ops.count("MultiHeadAttention") == 1 and "Softmax" not in ops and "Attention" not in ops
+    assert ops.count("MultiHeadAttention") == 1 and {"Softmax", "CapturedAttention", "Transpose"}.isdisjoint(ops)
     assert "Concat" not in ops  # the cache append happens inside the kernel
     f = feeds(kind)
-    for got, want in zip(run_unoptimised(fused, f), run_unoptimised(model, f)):
+    for got, want in zip(run_unoptimised(fused, f), run_unoptimised(lowered(model), f)):
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_second_run_changes_nothing():
-    once, _ = run_passes(mha_graph("cached", "chain"), [FuseMultiHeadAttention(N, HD)])
-    twice, record = run_passes(once, [FuseMultiHeadAttention(N, HD)])
+    once, _ = run_passes(mha_graph("cached", "position"), [FuseMultiHeadAttention()])
+    twice, record = run_passes(once, [FuseMultiHeadAttention()])
     assert record[0]["modified"] is False and twice.SerializeToString() == once.SerializeToString()
 
 
 def test_is_causal_without_mask_is_refused():
-    model = mha_graph("self", "onnx", causal_only=True)
-    out, record = run_passes(model, [FuseMultiHeadAttention(N, HD)])
+    model = mha_graph("self", causal_only=True)
+    out, record = run_passes(model, [FuseMultiHeadAttention()])
     assert record[0]["stats"]["fused"] == 0
-    assert "is_causal" in record[0]["skipped"][0]["why"]
+    assert "causal attention without an explicit mask" in record[0]["skipped"][0]["why"]
     assert out.SerializeToString() == model.SerializeToString()

@@ -119,7 +119,7 @@ def test_fused_attention_becomes_qattention_matching_its_reference():
 
     from kiln.passes.fuse_attention import FuseAttention
 
-    fused, _ = run_passes(attention_graph("explicit"), [FuseAttention(head_size=4)])
+    fused, _ = run_passes(attention_graph(), [FuseAttention()])
     out, record = run_passes(fused, [QuantizeDynamicInt8()])
     assert record[0]["stats"]["attention"] == 1 and op_types(out) .count("QAttention") == 1
     assert "DynamicQuantizeLinear" in op_types(out) and "Attention" not in op_types(out)

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from graphs import attention_graph, feeds, run_unoptimised
+from graphs import attention_graph, feeds, lowered, run_unoptimised
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.compiler.verify.emulate import emulate, reduced_types
@@ -28,7 +28,7 @@ def producer_input_type(model: onnx.ModelProto, op: str) -> list[int]:
 
 
 def test_attention_graph_fp16_types_and_numerics():
-    model = attention_graph("explicit")
+    model = lowered(attention_graph(mask="additive"), standard_op=False)
     out, record = run_passes(model, [ReducePrecision("float16"), PinNormsFP32()])
     rp, pin = record[0]["stats"], record[1]["stats"]
     assert rp["reduced_nodes"] > 10 and rp["boundary_casts"] == 2  # x in, the output out
@@ -39,7 +39,7 @@ def test_attention_graph_fp16_types_and_numerics():
     assert producer_input_type(out, "Softmax") == [TensorProto.FLOAT]
     types = value_types(out)
     # the padding mask, built from the int mask: computed in FP32, cast down where the scores take it
-    assert types["inv"] == types["bias2d"] == TensorProto.FLOAT
+    assert types["mask_add"] == TensorProto.FLOAT
     f = feeds("x")
     keep = f["attention_mask"].astype(bool)
     ref = run_unoptimised(model, f)[0][keep]
@@ -132,26 +132,26 @@ def test_fp32_extremes_clamped_into_the_reduced_range():
 
 
 def test_refused_op_raises_and_second_run_is_a_no_op():
-    model = attention_graph("explicit")
+    model = lowered(attention_graph(), standard_op=False)
     resize = helper.make_node("Resize", ["x", "", "scales"], ["x2"], name="resize")
     model.graph.node.insert(0, resize)
     with pytest.raises(PassError, match="resize .*Resize.* cannot be retyped to float16"):
         run_passes(model, [ReducePrecision("float16")])
-    once, _ = run_passes(attention_graph("explicit"), [ReducePrecision("float16")])
+    once, _ = run_passes(lowered(attention_graph(), standard_op=False), [ReducePrecision("float16")])
     twice, record = run_passes(once, [ReducePrecision("float16")])
     assert record[0]["modified"] is False and "already holds" in record[0]["skipped"][0]["why"]
     assert twice.SerializeToString() == once.SerializeToString()
 
 
 def test_bf16_has_no_cpu_kernels_and_the_emulation_rounds_exactly(tmp_path):
-    bf16, _ = run_passes(attention_graph("explicit"), [ReducePrecision("bfloat16"), PinNormsFP32()])
+    bf16, _ = run_passes(lowered(attention_graph(), standard_op=False), [ReducePrecision("bfloat16"), PinNormsFP32()])
     assert reduced_types(bf16) == {TensorProto.BFLOAT16}
     onnx.save(bf16, str(tmp_path / "bf16.onnx"))
     with pytest.raises(Exception, match="NOT_IMPLEMENTED"):
         ort.InferenceSession(str(tmp_path / "bf16.onnx"), providers=["CPUExecutionProvider"])
     f = feeds("x")
     keep = f["attention_mask"].astype(bool)
-    ref = run_unoptimised(attention_graph("explicit"), f)[0][keep]
+    ref = run_unoptimised(lowered(attention_graph(), standard_op=False), f)[0][keep]
     got = run_unoptimised(emulate(bf16), f)[0][keep]
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert 1e-4 < err < 3e-2  # BF16's 8-bit mantissa: visible, bounded

@@ -1,17 +1,17 @@
-"""TensorRT flavour passes: canonicalize-attention, pin-norms-fp32 and the check-tensorrt-ops gate."""
+"""TensorRT flavour passes: canonicalize-attention (on what lower-attention gives it), pin-norms-fp32 and the
+check-tensorrt-ops gate."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import pytest
-from graphs import HD, attention_graph, decoder_attention_graph, decoder_feeds, feeds, op_types, run_unoptimised
+from graphs import HD, attention_graph, decoder_attention_graph, decoder_feeds, feeds, lowered, op_types, run_unoptimised
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes import run_passes
 from kiln.passes.canonicalize_attention import CanonicalizeAttention
 from kiln.passes.check_tensorrt import CheckTensorRTOps, TensorRTCompatibilityError, min_tensorrt
-from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.pin_norms import PinNormsFP32
 
 
@@ -19,12 +19,10 @@ def attention_nodes(model):
     return [n for n in model.graph.node if n.op_type == "Attention"]
 
 
-@pytest.mark.parametrize("core", ["explicit", "onnx"])
-def test_encoder_attention_scaled_before_matmul_and_matches(core):
-    model = attention_graph(core)
+def test_encoder_attention_scaled_before_matmul_and_matches():
+    model = lowered(attention_graph())
     out, record = run_passes(model, [CanonicalizeAttention(head_size=4)])
-    stats = record[0]["stats"]
-    assert stats["canonical"] == 1 and stats["scaled"] == 1 and stats["from_chain"] == (core == "explicit")
+    assert record[0]["stats"] == {"canonical": 1, "scaled": 1, "repeat_kv_removed": 0}
     (node,) = attention_nodes(out)
     assert node.domain == "" and {a.name: a.f for a in node.attribute}["scale"] == 1.0
     assert next(n for n in out.graph.node if n.output[0] == node.input[0]).op_type == "Mul"  # Q scaled first
@@ -34,31 +32,34 @@ def test_encoder_attention_scaled_before_matmul_and_matches(core):
     np.testing.assert_allclose(run_unoptimised(out, f)[0][keep], run_unoptimised(model, f)[0][keep], atol=1e-4)
 
 
-def test_decoder_repeat_kv_dropped_and_matches():
-    model = decoder_attention_graph(4, 1)
+def test_decoder_kv_heads_stay_shared_and_match():
+    """The lowered node shares 1 KV head across 4 query heads in the op itself: nothing to repeat, Q scaled."""
+    model = lowered(decoder_attention_graph(4, 1))
     out, record = run_passes(model, [CanonicalizeAttention(head_size=HD)])
-    assert record[0]["stats"] == {"canonical": 1, "scaled": 1, "repeat_kv_removed": 2, "from_chain": 0}
+    assert record[0]["stats"] == {"canonical": 1, "scaled": 1, "repeat_kv_removed": 0}
     assert "Expand" not in op_types(out)
     f = decoder_feeds(4 * HD)
     real = f["attention_mask"].astype(bool)
     np.testing.assert_allclose(run_unoptimised(out, f)[0][real], run_unoptimised(model, f)[0][real], atol=1e-4)
 
 
-@pytest.mark.parametrize("core", ["explicit", "onnx"])
-def test_canonicalize_second_run_changes_nothing(core):
-    once, _ = run_passes(attention_graph(core), [CanonicalizeAttention(head_size=4)])
+def test_canonicalize_second_run_changes_nothing():
+    once, _ = run_passes(lowered(attention_graph()), [CanonicalizeAttention(head_size=4)])
     twice, record = run_passes(once, [CanonicalizeAttention(head_size=4)])
     assert record[0]["modified"] is False and record[0]["stats"]["canonical"] == 1
     assert twice.SerializeToString() == once.SerializeToString()
 
 
-def test_canonicalize_refuses_kv_cache_outputs():
-    model = attention_graph("onnx")
+def test_canonicalize_refuses_kv_cache_outputs_and_softcap():
+    model = lowered(attention_graph())
     node = attention_nodes(model)[0]
     node.output.extend(["present_k", "present_v"])
     _, record = run_passes(model, [CanonicalizeAttention(head_size=4)])
-    assert record[0]["stats"]["canonical"] == 0
-    assert "KV cache" in record[0]["skipped"][0]["why"]
+    assert record[0]["stats"]["canonical"] == 0 and "cache" in record[0]["skipped"][0]["why"]
+    capped = lowered(attention_graph(softcap=3.0))
+    out, record = run_passes(capped, [CanonicalizeAttention(head_size=4)])
+    assert record[0]["stats"]["canonical"] == 0 and "soft-cap" in record[0]["skipped"][0]["why"]
+    assert out.SerializeToString() == capped.SerializeToString()
 
 
 def norm_graph(dtype: int) -> onnx.ModelProto:
@@ -96,7 +97,7 @@ def test_fp32_norm_left_alone_with_reason():
 
 
 def test_gate_passes_standard_graph_and_reports_version():
-    model, _ = run_passes(attention_graph("onnx"), [CanonicalizeAttention(head_size=4)])
+    model, _ = run_passes(lowered(attention_graph()), [CanonicalizeAttention(head_size=4)])
     _, record = run_passes(model, [CheckTensorRTOps()])
     assert record[0]["stats"]["checked"] == len(model.graph.node)
     assert min_tensorrt(model) == "10.14"
@@ -104,7 +105,9 @@ def test_gate_passes_standard_graph_and_reports_version():
 
 
 def test_gate_rejects_contrib_ops():
-    fused, _ = run_passes(attention_graph("onnx"), [FuseAttention(head_size=4)])
+    from kiln.passes.fuse_attention import FuseAttention
+
+    fused, _ = run_passes(attention_graph(), [FuseAttention()])
     with pytest.raises(TensorRTCompatibilityError, match="com.microsoft.Attention is not a standard ONNX op"):
         run_passes(fused, [CheckTensorRTOps()])
 

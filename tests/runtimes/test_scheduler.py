@@ -13,7 +13,7 @@ from kiln.runtimes.scheduler import QueueFull, Scheduler
 
 PROMPTS = [[5, 9, 17, 33, 2, 60, 7, 8, 99], [12, 3, 44, 5], [7, 7, 8, 120, 11, 31, 45, 6, 90, 101, 13, 14, 15, 16],
            [1], [100, 90, 80, 70, 60, 50], [42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
-NEW = [40, 24, 33, 17, 48, 29]
+NEW = [40, 24, 100, 17, 48, 29]  # the cancelled request (2) long enough that the cancel lands before it ends
 WAIT = 120  # seconds a test waits for a token before it fails (a hang is a failure, not a stuck suite)
 
 

@@ -62,7 +62,7 @@ def text_cases(ckpt: Checkpoint, input_names: list[str]) -> list[Case]:
 
 def random_cases(ckpt: Checkpoint, input_names: list[str], longest: int, seed: int) -> list[Case]:
     rng = np.random.default_rng(seed)
-    vocab = int(ckpt.config.vocab_size)
+    vocab = ckpt.vocab_size
     longest = max(2, min(longest, ckpt.max_length))
     side = ckpt.padding_side
     cases = []
@@ -81,7 +81,7 @@ def random_cases(ckpt: Checkpoint, input_names: list[str], longest: int, seed: i
 
 def latency_feeds(ckpt: Checkpoint, input_names: list[str], shape: tuple[int, int], seed: int) -> dict[str, np.ndarray]:
     batch, seq = shape[0], min(shape[1], ckpt.max_length)
-    ids = np.random.default_rng(seed).integers(0, int(ckpt.config.vocab_size), size=(batch, seq), dtype=np.int64)
+    ids = np.random.default_rng(seed).integers(0, ckpt.vocab_size, size=(batch, seq), dtype=np.int64)
     return make_feeds(ids, np.ones_like(ids), input_names)
 
 
@@ -93,7 +93,7 @@ def generation_prompts(ckpt: Checkpoint, seed: int, length: int = 24, low: int =
         if all(rows):
             return rows
     rng = np.random.default_rng(seed)
-    return [rng.integers(low, int(ckpt.config.vocab_size), n).tolist() for n in (9, 4, 14)]
+    return [rng.integers(low, ckpt.vocab_size, n).tolist() for n in (9, 4, 14)]
 
 
 def seq2seq_sources(ckpt: Checkpoint, seed: int) -> tuple[np.ndarray, np.ndarray]:

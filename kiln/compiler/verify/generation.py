@@ -37,10 +37,13 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
     ref_logits = np.stack([s.float().numpy() for s in ref.logits])  # (steps, batch, vocab)
 
     base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows]}
-    kv = artifact.manifest.data["kv_cache"]
+    kv = artifact.manifest.data.get("kv_cache")
+    base["through"] = "kv cache" if kv else "recompute (no KV cache)"
 
     def teacher_forced() -> Iterator[np.ndarray]:
-        runner = artifact.runtime.cache_runner(kv, len(rows))
+        gen = artifact.manifest.data.get("generation") or {}
+        runner = artifact.runtime.cache_runner(kv, len(rows)) if kv else \
+            artifact.runtime.recompute_runner(len(rows), gen.get("logits_to_keep"))
         mask = prompt.mask
         try:
             yield runner.step(prompt.ids, mask)[:, -1]

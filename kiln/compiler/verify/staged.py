@@ -126,8 +126,9 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                                    "int4-codes")
                     report["codes"] = {k: exact[k] for k in ("tolerance", "summary", "cases", "passed")}
                     report["passed"] = report["passed"] and exact["passed"]
-                if report["passed"] and "kv_cache" in data and ckpt.task == "causal-lm":
-                    say(f"verify generation: {GENERATION_STEPS} greedy steps through the KV cache vs Hugging Face "
+                if report["passed"] and ckpt.task == "causal-lm":
+                    through = "the KV cache" if "kv_cache" in data else "full recomputation (no KV cache)"
+                    say(f"verify generation: {GENERATION_STEPS} greedy steps through {through} vs Hugging Face "
                         "generate" + (" (the codes: FP32-activation graph vs the fake-quantized model)" if codes else ""))
                     gen = verify_generation(codes if codes is not None else ckpt.model,
                                             exact_artifact if codes is not None else artifact,
