@@ -39,15 +39,17 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              max_position_embeddings=1024)
-FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi", "qwen3_moe", "qwen3_moe-dense"]
+FAMILIES = ["llama", "qwen3", "gemma3_text", "phi3", "stablelm", "gpt_neox", "phi", "qwen3_moe", "qwen3_moe-dense",
+            "llama-unfused", "deepseek_v3", "bloom"]
+DISABLED = {"qwen3_moe-dense": ("fuse-moe",), "llama-unfused": ("fuse-gqa",)}
+"""Compiled with these passes off: every expert on every token; every attention layer on the standard-op fallback
+with a Concat cache (what a layer no fused kernel takes costs)."""
 
 
 def config(family: str):
     import transformers as T
 
     s = dict(SHAPE)
-    if family == "llama":
-        return T.LlamaConfig(intermediate_size=1376, **s)
     if family == "qwen3":
         return T.Qwen3Config(intermediate_size=1376, head_dim=64, **s)
     if family == "gemma3_text":
@@ -62,6 +64,14 @@ def config(family: str):
         return T.GPTNeoXConfig(intermediate_size=2048, rotary_pct=0.25, **s)
     if family == "phi":  # rotary over 32 of 64; parallel block; MLP 4x hidden
         return T.PhiConfig(intermediate_size=2048, partial_rotary_factor=0.5, pad_token_id=0, **s)
+    if family in ("llama", "llama-unfused"):
+        return T.LlamaConfig(intermediate_size=1376, **s)
+    if family == "deepseek_v3":  # latent attention (keys 64 + 32 rotary features, values 64): the fallback; MLP dense
+        return T.DeepseekV3Config(intermediate_size=1376, kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64,
+                                  qk_rope_head_dim=32, v_head_dim=64, first_k_dense_replace=8, n_routed_experts=8,
+                                  **dict(s, num_key_value_heads=8))
+    if family == "bloom":  # ALiBi in its own attention code: no cache to attach, generation recomputes
+        return T.BloomConfig(hidden_size=512, n_layer=8, n_head=8, vocab_size=8192)
     if family in ("qwen3_moe", "qwen3_moe-dense"):
         return T.Qwen3MoeConfig(intermediate_size=1376, moe_intermediate_size=688, num_experts=8, num_experts_per_tok=2,
                                 norm_topk_prob=True, head_dim=64, **s)  # as Qwen3-30B-A3B
@@ -84,7 +94,7 @@ def build(family: str, work: Path, threads: int) -> dict:
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     params = sum(p.numel() for p in model.parameters())
-    dense = family.endswith("-dense")
+    dense = family in DISABLED and "fuse-moe" in DISABLED[family]
     cfg = model.config
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     idle = 0 if dense or not experts else experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
@@ -93,22 +103,26 @@ def build(family: str, work: Path, threads: int) -> dict:
     read = 4 * (params - embed.numel() + (head.numel() if head is embed else 0) - idle)
     t = time.perf_counter()
     art = compile(ckpt, work / family, CompileOptions(threads=threads, verify=False,
-                                                      disabled_passes=("fuse-moe",) if dense else ()))
+                                                      disabled_passes=DISABLED.get(family, ())))
     manifest = json.loads((art / "manifest.json").read_text())
     cov = {p["name"]: p.get("coverage") for p in manifest["passes"]}
     return {"family": family, "artifact": str(art), "params": params, "read_bytes": read,
-            "compile_s": time.perf_counter() - t, "fuse_gqa": cov.get("fuse-gqa"), "kv_cache": cov.get("kv-cache"),
-            "fuse_moe": cov.get("fuse-moe")}
+            "compile_s": time.perf_counter() - t, "fuse_gqa": cov.get("fuse-gqa"),
+            "kv_cache": cov.get("kv-cache") if (cov.get("kv-cache") or {}).get("fused") else cov.get("kv-cache-concat"),
+            "fuse_moe": cov.get("fuse-moe"), "cache": (manifest.get("attention") or {}).get("cache")}
 
 
 def compile_at(ref_tree: Path, ckpt: Path, out: Path, threads: int, precision: str = "fp32",
-               disabled: tuple[str, ...] = ()) -> None:
-    """Compile ``ckpt`` with the kiln checked out at ``ref_tree`` (a subprocess importing it first)."""
+               disabled: tuple[str, ...] = ()) -> bool:
+    """Compile ``ckpt`` with the kiln checked out at ``ref_tree`` (a subprocess importing it first); False when that
+    kiln cannot (an older kiln refuses what it has no rule for)."""
     code = ("import sys; from kiln.compiler import CompileOptions, compile; "
             f"compile({str(ckpt)!r}, {str(out)!r}, CompileOptions(threads={threads}, verify=False, "
             f"precision={precision!r}, disabled_passes={disabled!r}))")
-    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ref_tree)),
-                   capture_output=True, text=True)
+    # run from the worktree: ``python -c`` puts the working directory ahead of PYTHONPATH on sys.path
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ref_tree)),
+                          cwd=str(ref_tree), capture_output=True, text=True)
+    return done.returncode == 0
 
 
 def worktree(ref: str) -> Path:
@@ -138,12 +152,13 @@ def time_decode(artifacts: dict[str, str], prompt: int, new: int, rounds: int, t
     for m in models.values():
         call(m, new)  # warm-up
     speeds: dict[str, list[float]] = {f: [] for f in models}
-    order = list(models)
-    for r in range(rounds):
-        for f in order[r % len(order):] + order[:r % len(order)]:
-            time.sleep(0.2)
-            first = statistics.median(call(models[f], 1) for _ in range(3))
-            speeds[f].append((new - 1) / max(call(models[f], new) - first, 1e-9))
+    groups = [[f for f in models if f.split("@")[0] == base] for base in dict.fromkeys(f.split("@")[0] for f in models)]
+    for r in range(rounds):  # groups rotate; within a group (a model and its --against twin) the two alternate
+        for group in groups[r % len(groups):] + groups[:r % len(groups)]:
+            for f in group if r % 2 == 0 else group[::-1]:
+                time.sleep(0.2)
+                first = statistics.median(call(models[f], 1) for _ in range(3))
+                speeds[f].append((new - 1) / max(call(models[f], new) - first, 1e-9))
     return {f: statistics.median(v) for f, v in speeds.items()}
 
 
@@ -191,9 +206,8 @@ def main() -> int:
         for f in list(artifacts):
             print(f"[bench] compile {f} with kiln {args.against}", file=sys.stderr, flush=True)
             ckpt, p = (real[f]["ckpt"], real[f]["precision"]) if f in real else (work / f"{f}-ckpt", "fp32")
-            compile_at(tree, ckpt, work / f"{f}@ref", args.threads, p,
-                       ("fuse-moe",) if f.endswith("-dense") else ())
-            artifacts[f"{f}@ref"] = str(work / f"{f}@ref")
+            if compile_at(tree, ckpt, work / f"{f}@ref", args.threads, p, DISABLED.get(f, ())):
+                artifacts[f"{f}@ref"] = str(work / f"{f}@ref")
     child = subprocess.run([sys.executable, __file__, "--child", json.dumps(artifacts),
                             "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
                             "--rounds", str(args.rounds), "--threads", str(args.threads)],
@@ -209,7 +223,8 @@ def main() -> int:
           f"per byte vs llama{against} |")
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.against else ""))
     base = speed["llama"] * built["llama"]["read_bytes"]
-    ref = lambda f: f" | {speed[f] / speed[f + '@ref']:.3f}x" if args.against else ""  # noqa: E731
+    ref = lambda f: "" if not args.against else f" | {speed[f] / speed[f + '@ref']:.3f}x" if f + "@ref" in speed \
+        else " | (no rule)"  # noqa: E731
     for f in families:
         b = built[f]
         cov = lambda c: f"{c['fused']}/{c['expected']}" if c else "-"  # noqa: E731

@@ -49,10 +49,7 @@ class Layer:
 def layers(model: Any, num_layers: int) -> list[Layer]:
     from kiln.compiler.quantize.gptq import transformer_blocks
 
-    try:
-        blocks = transformer_blocks(model, num_layers)
-    except ValueError as e:
-        raise UnsupportedModelError(f"{type(model).__name__}: {e}; kiln prunes BERT- and Llama-style layers") from e
+    blocks = transformer_blocks(model, num_layers)
     out = []
     for b in blocks:
         if hasattr(b, "self_attn") and hasattr(b, "mlp") and hasattr(b.mlp, "down_proj"):

@@ -158,7 +158,7 @@ def _schema(node: onnx.NodeProto) -> onnx.defs.OpSchema | None:
 
 class GemmToMatMul(Pass):
     """Gemm with a constant weight -> MatMul + bias Add, so the quantizers see one weight-MatMul form
-    (GPT-2's Conv1D layers export as Gemm on 2-D views)."""
+    (a Conv1D-style Linear exports as Gemm on 2-D views)."""
 
     name = "gemm-to-matmul"
 

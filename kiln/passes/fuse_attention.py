@@ -50,9 +50,8 @@ class Heads:
 class FuseAttention(Pass):
     name = "fuse-attention"
 
-    def __init__(self, mask_input: str = "attention_mask", ids_input: str = "input_ids") -> None:
+    def __init__(self, mask_input: str = "attention_mask") -> None:
         self.mask_input = mask_input
-        self.ids_input = ids_input
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         g = Graph(model)
@@ -108,7 +107,7 @@ class FuseAttention(Pass):
         key = (c.mask, c.causal)
         if key not in kinds:
             try:
-                kinds[key] = classify(g, c.mask, c.causal, 0, self.mask_input, self.ids_input)
+                kinds[key] = classify(g, c.mask, c.causal, 0, self.mask_input)
             except NoMatch as e:
                 kinds[key] = e
         kind = kinds[key]

@@ -36,7 +36,8 @@ from kiln.passes import attention_node as an
 from kiln.passes.base import NoMatch, Pass, PassResult, Reason
 from kiln.passes.graph import MS_DOMAIN, Constants, Graph, emit
 from kiln.passes.masks import MaskKind, classify
-from kiln.passes.matching import Operand, Packing, Rotary, flat_operand, operand, packing, rotary, unflatten
+from kiln.passes.matching import (Operand, Packing, Rotary, flat_operand, heads_packing, operand, packing, rotary,
+                                  unflatten)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class FuseGroupQueryAttention(Pass):
         key = (c.mask, c.causal, c.window)
         if key not in kinds:
             try:
-                kinds[key] = classify(g, c.mask, c.causal, c.window, self.mask_input, self.ids_input)
+                kinds[key] = classify(g, c.mask, c.causal, c.window, self.mask_input)
             except NoMatch as e:
                 kinds[key] = e
         kind = kinds[key]
@@ -126,6 +127,11 @@ class FuseGroupQueryAttention(Pass):
                 pack = packing(g, q.value, k.value, v.value, c.q_heads, c.kv_heads, c.head_size)
             except NoMatch as e:
                 notes.append(f"Q, K and V go in apart ({e})")
+        elif all(o.layout == "bhsd" and not o.norms for o in (q, k, v)) and c.q_heads == c.kv_heads:
+            try:
+                pack = heads_packing(g, q.value, k.value, v.value, c.node, c.q_heads, c.head_size)
+            except NoMatch as e:
+                notes.append(f"Q, K and V go in apart ({e})")
         return Match(c, q, k, v, rope, pack, kind, tuple(notes))
 
     # --- rewrite --------------------------------------------------------------------------------------------------
@@ -133,7 +139,7 @@ class FuseGroupQueryAttention(Pass):
         c, new = m.node, []
         remove = [c.node] + m.q.nodes + m.k.nodes + m.v.nodes
         if m.packing is not None:
-            qkv, old = self._emit_pack(g, new, m.packing)
+            qkv, old = self._emit_pack(g, new, m.packing, consts)
             remove += old
         else:
             qkv = [flat_operand(g, new, o, heads, c.head_size, consts)
@@ -157,9 +163,14 @@ class FuseGroupQueryAttention(Pass):
         return new, list({id(n): n for n in remove}.values())
 
     @staticmethod
-    def _emit_pack(g: Graph, new: list, p: Packing) -> tuple[list[str], list[onnx.NodeProto]]:
+    def _emit_pack(g: Graph, new: list, p: Packing, consts: Constants) -> tuple[list[str], list[onnx.NodeProto]]:
         if p.kind in ("split", "slices"):
             return [p.source], p.nodes
+        if p.kind == "heads":  # (B, S, H * 3 * D) -> (B, S, H, 3, D) -> (B, S, 3, H, D) -> (B, S, 3 * H * D)
+            view = consts.int64(f"qkv_heads_view:{p.heads}:{p.head_size}", [0, 0, p.heads, 3, p.head_size])
+            grouped = emit(g, new, "Transpose", [emit(g, new, "Reshape", [p.source, view], "qkv_heads")], "qkv_grouped",
+                           perm=[0, 1, 3, 2, 4])
+            return [emit(g, new, "Reshape", [grouped, consts.int64("head_flat", [0, 0, -1])], "qkv_packed")], p.nodes
         q, k, v = p.projections
         weight = g.add_initializer("qkv_weight", np.concatenate([q.weight, k.weight, v.weight], 1))
         out = emit(g, new, "MatMul", [q.x, weight], "qkv")

@@ -13,8 +13,8 @@ Recognised, per layer (kiln's own dense export; a family's router is whatever pr
 
 with every Linear a MatMul or Gemm over a constant FP32 weight without bias, all experts one shape, one ``x``.
 
-Routing: when R's weights are the top-k of a softmax over the router's logits z, renormalised (Qwen3-MoE with
-``norm_topk_prob``, Mixtral, Qwen2-MoE), the MoE node routes from z itself (``normalize_routing_weights=1``) and R
+Routing: when R's weights are the top-k of a softmax over the router's logits z, renormalised (the
+common top-k softmax router with ``norm_topk_prob``), the MoE node routes from z itself (``normalize_routing_weights=1``) and R
 is dropped. Any other routing stays the family's graph: the node gets log(R) as its router logits, so its softmax
 over the experts is R / sum(R) and its top-k picks exactly R's non-zero entries (the rest are -inf); the output is
 scaled back by sum(R). Sigmoid scores, a top-k left unnormalised, a routed scaling factor: the mixing weights are

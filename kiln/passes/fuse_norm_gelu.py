@@ -4,8 +4,8 @@ Both target ONNX Runtime's contrib ops (``com.microsoft``): one kernel instead o
 and one pass over the activations instead of several.
 
 onnxscript's ``ort_fusions`` has skip-layernorm and bias-gelu rules that do fire on the opset-23 export
-(BERT: 4 and 2, measured with 0.7.2); kiln keeps its own because it needs what they lack: RMSNorm-only
-fusion on CPU decoders (ORT's LayerNorm kernel is slow, see decompose_norm.py), GPT-2's written-out tanh
+(on an encoder: 4 and 2); kiln keeps its own because it needs what they lack: RMSNorm-only
+fusion on CPU decoders (ORT's LayerNorm kernel is slow, see decompose_norm.py), a written-out tanh
 gelu, and a reason for every refused candidate.
 """
 
@@ -109,7 +109,7 @@ def _scalar(g: Graph, node: onnx.NodeProto, value: float) -> str | None:
 
 
 def match_tanh_gelu(g: Graph, tanh: onnx.NodeProto) -> tuple[str, list[onnx.NodeProto]]:
-    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) written out (GPT-2's gelu_new) -> (x, its nodes)."""
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) written out (``gelu_new``) -> (x, its nodes)."""
     scaled = g.parent(tanh, 0, "Mul")
     inner = g.producer.get(_scalar(g, scaled, 0.7978845608) or "") if scaled is not None else None
     if inner is None or inner.op_type != "Add":

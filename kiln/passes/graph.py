@@ -125,9 +125,13 @@ class Graph:
 
     def before_scaling(self, value: str) -> str:
         """Walk back from ``value`` through elementwise ops whose other operand is a constant over the last axis at
-        most (an lm_head's bias, Granite's logits scaling): the value that chain starts from (``value`` itself when
-        there is none)."""
-        while (p := self.producer.get(value)) is not None and p.op_type in _SCALING and len(p.input) == 2:
+        most (an lm_head's bias, a logits scaling) and through a Tanh (a soft-cap, ``c * tanh(x / c)``): the value
+        that chain starts from (``value`` itself when there is none)."""
+        while (p := self.producer.get(value)) is not None and (p.op_type in _SCALING and len(p.input) == 2
+                                                                or p.op_type == "Tanh"):
+            if p.op_type == "Tanh":
+                value = p.input[0]
+                continue
             const = [i for i in p.input if self.is_constant(i)]
             if len(const) != 1:
                 return value
@@ -141,7 +145,7 @@ class Graph:
     def routes(self, value: str, depth: int = 4) -> bool:
         """Whether ``value`` is a mixture-of-experts router's logits: it reaches a TopK within ``depth`` elementwise
         ops (Softmax, Sigmoid, Cast, a bias or a scale). The quantizers keep such a MatMul in FP32: a rounded router
-        picks other experts, which no later layer can undo (llama.cpp keeps its routers in FP32 too)."""
+        picks other experts, which no later layer can undo (CPU runtimes keep routers in FP32 too)."""
         frontier = [value]
         for _ in range(depth + 1):
             step = []

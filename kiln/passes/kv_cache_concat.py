@@ -59,7 +59,7 @@ class AddKVCacheConcat(CachePass):
         for c in layers:
             key = (c.mask, c.causal, c.window)
             try:
-                kind = kinds.get(key) or classify(g, c.mask, c.causal, c.window, self.mask_input, self.ids_input)
+                kind = kinds.get(key) or classify(g, c.mask, c.causal, c.window, self.mask_input)
             except NoMatch as e:
                 return PassResult(g.model, False, empty, [Reason(c.where, f"{e}; no layer gets a cache")])
             if not kind.causal:

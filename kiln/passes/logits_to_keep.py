@@ -1,13 +1,13 @@
 """Decoders: an optional ``logits_to_keep`` input (int64 scalar) that limits the lm_head to the last K positions.
 
 Generation needs the last position's logits only; computing the head over the whole prompt costs a
-(prompt, vocab) product and buffer (SmolLM2-135M: 49,152 floats per token). The pass slices the final
+(prompt, vocab) product and buffer (a vocabulary's worth of floats per token). The pass slices the final
 hidden states before the head: ``K = 0`` (the default a runtime fills in) keeps every position, so ``run`` and
 ``kiln report`` see the full logits; the generation loop feeds ``K = 1`` at prefill.
 
 Recognised: the graph output ``logits`` produced by the head (MatMul, MatMulNBits or Gemm over (batch,
 sequence, hidden), or a last-axis Concat of such parts over one input), optionally followed by elementwise ops
-with a constant operand over the vocabulary at most (Granite's logits scaling, Phi-2's head bias).
+with a constant operand over the vocabulary at most (a logits scaling, a head bias).
 Anything else is refused with the reason and the graph is left as it was.
 """
 

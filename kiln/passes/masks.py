@@ -3,7 +3,7 @@
 itself: causal or not, a sliding window or not, the padding applied or not.
 
 Why run it rather than read it: every family builds its mask with its own ops (transformers' ``masking_utils`` under
-tracing, an older family's own arithmetic, a GPT-2-style buffer slice), and the fused kernels replace the mask by
+tracing, an older family's own arithmetic, a slice of a registered causal buffer), and the fused kernels replace the mask by
 their own. Running the subgraph on paddings left and right, at two lengths (one past the declared window), tells what
 it is whatever ops compute it; a mask that is none of these (a prefix-LM, a chunked or block mask, one that reads the
 token ids' values) is reported as such, and the attention keeps its own mask on the fallback path.
@@ -123,8 +123,8 @@ def _matches(allow: np.ndarray, kind: MaskKind, pad: np.ndarray) -> bool:
     return bool(np.all((allow == want) | ~real[:, :, None]))
 
 
-def classify(g: Graph, mask: str | None, causal: bool, window_hint: int = 0, mask_input: str = "attention_mask",
-             ids_input: str = "input_ids") -> MaskKind:
+def classify(g: Graph, mask: str | None, causal: bool, window_hint: int = 0,
+             mask_input: str = "attention_mask") -> MaskKind:
     """The kind of ``mask`` (None: ``causal`` decides, with no padding), or NoMatch saying why it is none of them.
     Other inputs (``input_ids``, ``token_type_ids``) may give the mask their shape, never their values."""
     if mask is None:

@@ -218,7 +218,7 @@ def rotary(g: Graph, q: Rope | None, k: Rope | None, head_size: int, positions_f
             if p is not None and p.op_type == "Expand":  # tables broadcast to the batch (broadcast-rotary)
                 p = g.producer.get(p.input[0])
             factor = 1.0
-            if p is not None and p.op_type == "Mul":  # an attention scaling (llama3 / yarn) multiplies cos and sin
+            if p is not None and p.op_type == "Mul":  # an attention scaling (scaled rotary variants) multiplies cos and sin
                 c = g.constant(p.input[1])
                 if c is None or c.size != 1:
                     raise NoMatch(f"rotary {fn.lower()} table is scaled by a non-constant")
@@ -250,13 +250,16 @@ def rotary(g: Graph, q: Rope | None, k: Rope | None, head_size: int, positions_f
 # --- one packed Q/K/V input --------------------------------------------------------------------------------------
 @dataclass
 class Packing:
-    """How flat Q, K, V can reach a kernel as one (B, S, (Hq + 2 Hkv) D) tensor: "split" (the model's own packed
-    tensor, cut by a Split), "slices" (cut by three Slices) or "projections" (three MatMuls to concatenate)."""
+    """How Q, K, V can reach a kernel as one (B, S, (Hq + 2 Hkv) D) tensor: "split" (the model's own packed
+    tensor, cut by a Split), "slices" (cut by three Slices), "projections" (three MatMuls to concatenate) or
+    "heads" (one projection holding each head's Q, K and V side by side, regrouped by one Transpose)."""
 
     kind: str
     source: str = ""
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     projections: tuple[Projection, ...] = ()
+    heads: int = 0
+    head_size: int = 0
 
 
 def width(g: Graph, value: str) -> int | None:
@@ -307,6 +310,28 @@ def packing(g: Graph, q3: str, k3: str, v3: str, hq: int, hk: int, head_size: in
     for p in projections:
         sole_users(g, p.nodes)
     return Packing("projections", projections=projections)
+
+
+def heads_packing(g: Graph, q: str, k: str, v: str, reader: onnx.NodeProto, heads: int, head_size: int) -> Packing:
+    """Q, K, V (B, H, S, D) as outputs 0, 1, 2 of a Split in three on the last axis of Transpose(0, 2, 1, 3) of
+    Reshape(x3d, (B, S, H, 3 D)): each head's Q, K and V lie side by side in x3d. NoMatch otherwise."""
+    split = g.producer.get(q)
+    if split is None or split.op_type != "Split" or list(split.output) != [q, k, v] or \
+            attr(split, "axis", 0) not in (-1, 3):
+        raise NoMatch("Q, K and V are not one Split of each head's packed features")
+    sizes = g.constant(split.input[1]) if len(split.input) > 1 and split.input[1] else None
+    if sizes is not None and sizes.reshape(-1).tolist() != [head_size] * 3:
+        raise NoMatch(f"per-head split sizes {sizes.reshape(-1).tolist()} are not three heads of {head_size}")
+    tr = g.producer.get(split.input[0])
+    rs = g.producer.get(tr.input[0]) if tr is not None and transpose_perm(tr) == [0, 2, 1, 3] else None
+    if rs is None or rs.op_type != "Reshape" or g.rank(rs.input[0]) != 3:
+        raise NoMatch("the per-head packed tensor is not a head split of a projection's output")
+    target = g.constant(rs.input[1])
+    if target is not None and (target.size != 4 or int(target[3]) != 3 * head_size):
+        raise NoMatch(f"the per-head view {target.tolist()} is not (batch, sequence, heads, 3 x {head_size})")
+    if not private(g, [rs, tr], split):
+        raise NoMatch("the per-head packed tensor has other readers")
+    return Packing("heads", rs.input[0], [rs, tr, split], heads=heads, head_size=head_size)
 
 
 # --- the node's output from a kernel's ------------------------------------------------------------------------

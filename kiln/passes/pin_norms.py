@@ -6,8 +6,8 @@ TensorRT 11 builds strongly typed networks only: a layer computes in the type it
 - LayerNormalization / RMSNormalization and Softmax lose accuracy (the variance of large activations overflows or
   rounds badly; an FP16 softmax sums thousands of small terms), so they are wrapped: inputs cast to FP32, the op in
   FP32, the output cast back;
-- a reduction (ReduceMean, ReduceSum, ...) and Pow (a decomposed norm's x**2: SmolLM2-135M's residual stream peaks at
-  25,219, whose square overflows FP16's 65,504) compute in FP32 and their result *stays* FP32 through the elementwise
+- a reduction (ReduceMean, ReduceSum, ...) and Pow (a decomposed norm's x**2: a small LLM's residual stream can
+  peak above 25,000, whose square overflows FP16's 65,504) compute in FP32 and their result *stays* FP32 through the elementwise
   ops that only read FP32 statistics and constants (``+ eps``, Sqrt, Reciprocal): the statistic meets the activation
   again, cast down, where it is already normalised;
 - an ONNX ``Attention`` gets ``softmax_precision`` = FLOAT (its softmax in FP32, Q/K/V left reduced).

@@ -3,7 +3,7 @@
 Each output column's weights are split into blocks of ``block_size`` along the input dimension K, and
 every block gets its own scale: one large weight spends the resolution of its block only. At run time
 ONNX Runtime's CPU kernel with ``accuracy_level`` 4 quantizes the activations to int8 per row and block
-as well, so the few huge activation channels of small LLMs (SmolLM2, Llama-family) cost the blocks they
+as well, so the few huge activation channels of small LLMs cost the blocks they
 sit in, not the whole tensor as ``DynamicQuantizeMatMul``'s one per-tensor activation scale does.
 
 Grid (symmetric, the kernel's default zero point 2^(bits-1)): the block's largest-magnitude weight maps
@@ -38,8 +38,8 @@ HALF_MIN, HALF_MAX = 2.0 ** -14, 65504.0
 """Scales whose magnitude lies in FP16's normal range are rounded to FP16 by every quantizer (``half_exact``) and
 stored as FP16 with a Cast the session folds at load (same kernel, same speed: a prepacked MatMulNBits reads the
 folded FP32 scales): group 32 costs 4.5 bits per weight instead of 5. A weight with any scale outside the range
-keeps FP32 scales, and so does the asym grid: all-MiniLM-L6-v2 INT4 (asym, GPTQ) measured min sentence cosine
-0.9848 with FP32 scales and 0.9744 with FP16 ones (200 held-out sentences, one compile each), mean 0.9926 both."""
+keeps FP32 scales, and so does the asym grid: a sentence encoder at INT4 (asym, GPTQ) lost
+measurably more with FP16 ones (docs/int4.md)."""
 GRIDS = ("signed", "positive", "asym")
 """signed: symmetric, the block's largest-magnitude weight exact at the most negative code (scale carries the
 sign; ONNX Runtime's RTN grid). positive: symmetric with a positive scale, the smallest that keeps both
@@ -436,7 +436,7 @@ class QuantizeBlockwise(Pass):
     def _shared_rows(g: Graph, node: onnx.NodeProto, head: Prepared) -> list[onnx.NodeProto]:
         """The embedding Gather over the tied head's own codes (N, blocks, block) and scales (N, blocks): the rows
         of the ids, (code - 128) * scale per block, flattened to the ids' shape + (K,). The same numbers
-        GatherBlockQuantized computes from a copy (SmolLM2: 28 MB not stored twice)."""
+        GatherBlockQuantized computes from a copy (a small LLM's tied table: tens of MB not stored twice)."""
         ids = node.input[1]
         t = {k: g.fresh(f"{node.output[0]}_{k}") for k in ("codes", "float", "centered", "scales", "scale4", "rows",
                                                                "ids_shape", "shape")}

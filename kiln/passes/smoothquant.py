@@ -79,7 +79,7 @@ class SmoothQuant(Pass):
         node = g.node(act)
         if node is not None and node.op_type == "Reshape" and len(g.consumers[node.input[0]]) == 1 \
                 and node.input[0] not in g.graph_outputs:
-            act = node.input[0]  # GPT-2 flattens (B, S, C) to (B*S, C) before its Gemm: channels stay last
+            act = node.input[0]  # a Gemm-exported Linear flattens (B, S, C) to (B*S, C) first: channels stay last
             node = g.node(act)
         if node is not None and node.op_type == "Add" and node.output[0] == act:
             bias = next((i for i in node.input if g.is_constant(i)), None)

@@ -1,7 +1,7 @@
 """Outlier channels in FP32, the rest in INT8 (LLM.int8()'s decomposition, with channels chosen at calibration).
 
-A Transformer's activations have a handful of channels 6-15x larger than the median one (BERT's
-FFN inputs, post-GELU). One per-tensor activation scale then spends most of its 256 levels on
+A Transformer's activations have a handful of channels 6-15x larger than the median one (an
+encoder's FFN inputs, post-GELU). One per-tensor activation scale then spends most of its 256 levels on
 them and the other channels lose their resolution. For a MatMul ``y = x @ W`` whose input has
 outlier channels ``o``:
 

@@ -88,8 +88,9 @@ def test_partial_rotary_goes_into_the_kernel_and_matches(q_heads, kv_heads, pack
 
     model = decoder_attention_graph(q_heads, kv_heads, head_size=32, rotary_dim=16, packed=packed, bias=False)
     fused, record = run_passes(model, [gqa()])
-    assert record[0]["stats"]["fused"] == 1 and record[0]["stats"]["rotary"] == 1
-    assert {"CapturedAttention", "RotaryEmbedding", "Slice"}.isdisjoint(op_types(fused))
+    assert record[0]["stats"] == {"fused": 1, "rotary": 1, "packed_qkv": 1, "layers": 1}
+    assert {"CapturedAttention", "RotaryEmbedding", "Slice", "Split"}.isdisjoint(op_types(fused))
+    assert op_types(fused).count("Transpose") == (1 if packed else 0)  # side-by-side heads: one regroup
     node, _ = attrs(fused)
     caches = {t.name: numpy_helper.to_array(t) for t in fused.graph.initializer if t.name in node.input[7:9]}
     assert [c.shape for c in caches.values()] == [(32, 8), (32, 8)]

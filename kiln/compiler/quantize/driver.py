@@ -28,7 +28,7 @@ from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, pr
 from kiln.compiler.quantize import awq, gptq
 from kiln.compiler.quantize import budget as budget_lib
 from kiln.compiler.quantize.calibrate import GraphRunner, text_batches
-from kiln.errors import CheckpointError, UsageError
+from kiln.errors import CheckpointError, UnsupportedModelError, UsageError
 from kiln.passes import run_passes
 from kiln.passes.calibration import Statistics, ranges
 from kiln.passes.quantize_int8 import candidates, weights
@@ -70,6 +70,9 @@ class QuantDriver:
         self._fake: Any = None
         self.kept_columns: set[str] = set()
         self.promoted_columns: set[str] = set()
+        self.fp32_columns: set[str] = set()
+        """INT4: first-column keys of the weights the quantized graph still multiplies in FP32 (routers, which the pass
+        keeps FP32 by what their logits feed): ``fake_quantized`` keeps them FP32 too."""
         """Column keys of the weights an INT4 budget kept FP32 / promoted to INT8 (the fake-quantized reference too)."""
         self.named: dict[str, Any] = {}
         """The solver's codes by module name (``kiln export-gptq`` writes them)."""
@@ -218,6 +221,7 @@ class QuantDriver:
         if self.options.precision == "int4":
             self._check_imported(record[0]["stats"])
             record[0]["int4"] = self.int4_settings(record[0]["stats"])
+            self.fp32_columns = fp32_weight_columns(out)
         return out, record
 
     def _check_imported(self, stats: dict[str, Any]) -> None:
@@ -261,8 +265,13 @@ class QuantDriver:
         if model is None:
             model = copy.deepcopy(self.ckpt.model)
             if self.ckpt.codebook is None:  # round-to-nearest: every Linear of the blocks on the pass's grid
-                for block in gptq.transformer_blocks(model, self.facts.num_layers):
-                    for m in block.modules():
+                try:
+                    blocks = list(gptq.transformer_blocks(model, self.facts.num_layers))
+                except UnsupportedModelError:  # no list of one block per layer: every Linear but the head, as the graph does
+                    blocks = [model]
+                out_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+                for block in blocks:
+                    for m in (m for m in block.modules() if m is not out_head):
                         if gptq.is_linear(m):
                             conv = not isinstance(m, torch.nn.Linear)
                             w_kn = m.weight.detach().numpy() if conv else m.weight.detach().numpy().T
@@ -277,6 +286,13 @@ class QuantDriver:
 
         original = dict(self.ckpt.model.named_modules())
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        with torch.no_grad():  # what the graph still multiplies in FP32 (a router) is FP32 here too
+            for name, m in model.named_modules():
+                if gptq.is_linear(m) and m is not out_emb and name in original and self.fp32_columns:
+                    w0 = original[name].weight.detach()
+                    w_kn = w0.numpy() if not isinstance(m, torch.nn.Linear) else w0.numpy().T
+                    if weight_key(np.ascontiguousarray(w_kn[:, :1])) in self.fp32_columns:
+                        m.weight.copy_(w0)
         with torch.no_grad():
             for name, m in model.named_modules():  # the blocks' Linears (the lm_head below: it may be tied)
                 if gptq.is_linear(m) and m is not out_emb and name in original and (self.kept_columns or self.promoted_columns):
@@ -514,4 +530,21 @@ def cost_and_gain(record: list[dict[str, Any]], report: dict[str, Any]) -> dict[
                        "promoted_int8": q["stats"].get("promoted_int8", 0),
                        "more_bits": q["stats"].get("more_bits", 0),
                        "bits_per_weight": q["stats"].get("bits_per_weight")}
+    return out
+
+
+def fp32_weight_columns(model: Any) -> set[str]:
+    """First-column keys (``quantize_nbits.weight_key``) of every constant 2-D weight a standard MatMul of ``model``
+    still reads."""
+    from kiln.passes.graph import Graph
+    from kiln.passes.quantize_nbits import weight_key
+
+    g = Graph(model)
+    out = set()
+    for node in g.g.node:
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and g.is_constant(node.input[1]):
+            dims = g.shape_of_constant(node.input[1])
+            if dims is not None and len(dims) == 2:
+                w = g.constant(node.input[1])
+                out.add(weight_key(np.ascontiguousarray(w[:, :1])))
     return out

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import UsageError
+from kiln.errors import UnsupportedModelError, UsageError
 from kiln.passes.quantize_nbits import Codebook, Quantized, half_exact
 
 Progress = Callable[[str], None]
@@ -268,7 +268,9 @@ def transformer_blocks(model: Any, num_layers: int) -> Any:
 
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
     if not lists:
-        raise ValueError(f"no list of {num_layers} Transformer blocks in {type(model).__name__}")
+        raise UnsupportedModelError(f"{type(model).__name__} has no list of {num_layers} Transformer blocks, which "
+                                    "kiln's GPTQ, AWQ and pruning work through block by block; compile with "
+                                    "--quant-method rtn (INT4) or without --prune")
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 

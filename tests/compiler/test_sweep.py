@@ -1,0 +1,47 @@
+"""The architecture sweep's representative slice (tools/sweep_architectures.py): architectures built tiny from
+transformers' own config classes by the sweep's generic shrinker, one per way a layer can reach its lowering, each
+compiled and verified (parity, and generation for decoders) with the manifest saying what runs fused and why not.
+The whole sweep is a benchmark (docs/models.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, fast_options
+from kiln.compiler import compile
+
+sys.path.insert(0, str(ROOT / "tools"))
+import sweep_architectures as sweep  # noqa: E402
+
+CASES = {
+    # model type: (cache the decoder gets, attention blocks fused, a word the reasons must hold)
+    "falcon": ("kv-cache", 2, None),  # multi-query heads the config names its own way
+    "gemma2": ("kv-cache", 2, None),  # soft-capped scores, a sliding and a global layer: both in the kernel
+    "gpt_oss": ("kv-cache", 2, "down projection"),  # attention sinks in the kernel; its experts stay dense
+    "deepseek_v3": ("kv-cache-concat", 0, "keys have 32 features and values 16"),  # latent attention
+    "bloom": (None, 0, "computes attention itself"),  # ALiBi, its own attention: no cache, generation recomputes
+    "modernbert": (None, 2, None),  # a rotary encoder with local attention: MultiHeadAttention with its mask
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_slice_compiles_verified_with_its_reasons(tmp_path, model_type):
+    task = sweep.model_types()[model_type]
+    why, kind = sweep.build(model_type, task, tmp_path / "ckpt")
+    assert why is None
+    out = compile(tmp_path / "ckpt", tmp_path / "art", fast_options(max_length=128, verify_max_length=32))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    cache, fused, reason = CASES[model_type]
+    attention = manifest["attention"]
+    assert attention["fused"] == fused and attention["layers"] == 2
+    notes = " ".join(attention["why"] + attention.get("experts", {}).get("unfused_why", []))
+    assert reason is None or reason in notes
+    if kind == "decoder":
+        assert attention["cache"] == cache
+        gen = manifest["verification"]["generation"]
+        assert gen["steps"] == 16 and gen["through"] == ("kv cache" if cache else "recompute (no KV cache)")
+        assert gen["max_abs_over_atol"] <= 1
