@@ -125,6 +125,19 @@ def compile_at(ref_tree: Path, ckpt: Path, out: Path, threads: int, precision: s
     return done.returncode == 0
 
 
+def graph_signature(artifact: str) -> list:
+    """What a decode step runs, names and node order aside: every node's op, domain and attributes, and the
+    initializers' shapes. Two artifacts with one signature run the same kernels, as many times, on the same weights'
+    shapes."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(Path(artifact) / "model.onnx"), load_external_data=False)
+    nodes = sorted((n.op_type, n.domain, sorted((a.name, repr(helper.get_attribute_value(a))) for a in n.attribute))
+                   for n in model.graph.node)
+    return nodes + sorted(tuple(t.dims) for t in model.graph.initializer)
+
+
 def worktree(ref: str) -> Path:
     tree = Path(tempfile.mkdtemp(prefix="kiln-bench-ref-")) / "kiln"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True,
@@ -218,13 +231,22 @@ def main() -> int:
           f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
     print(f"shape: 8 layers, hidden 512, 8 / 4 heads of 64, vocab 8192; FP32; batch 1, prompt {args.prompt}, "
           f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rotating rounds")
-    against = f" | vs {args.against}" if args.against else ""
+    against = f" | vs {args.against} | nodes + weights differing (this / {args.against})" if args.against else ""
     print(f"| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
           f"per byte vs llama{against} |")
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.against else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.against else ""))
     base = speed["llama"] * built["llama"]["read_bytes"]
-    ref = lambda f: "" if not args.against else f" | {speed[f] / speed[f + '@ref']:.3f}x" if f + "@ref" in speed \
-        else " | (no rule)"  # noqa: E731
+    def ref(f: str) -> str:
+        if not args.against:
+            return ""
+        if f + "@ref" not in speed:
+            return " | (no rule) | -"
+        from collections import Counter
+
+        a, r = (Counter(map(repr, graph_signature(artifacts[x]))) for x in (f, f + "@ref"))
+        new, old = sum((a - r).values()), sum((r - a).values())
+        return f" | {speed[f] / speed[f + '@ref']:.3f}x | " + ("identical" if not new + old else f"{new} / {old} differ")
+
     for f in families:
         b = built[f]
         cov = lambda c: f"{c['fused']}/{c['expected']}" if c else "-"  # noqa: E731

@@ -298,6 +298,10 @@ def table(results: list[dict]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def compile_seconds(results: list[dict]) -> float:
+    return sum(r.get(p, {}).get("seconds", 0) for r in results for p in ("fp32", "int4"))
+
+
 def machine() -> str:
     import onnxruntime
     import torch
@@ -343,7 +347,6 @@ def main() -> None:
     if wanted:
         types = {t: types[t] for t in wanted if t in types}
     work = args.work or Path(tempfile.mkdtemp(prefix="kiln-sweep-"))
-    start = time.perf_counter()
     results_path = work / "results.jsonl"
     done = {}
     if results_path.exists():  # resume: a rerun skips what an earlier run of the same work directory finished
@@ -366,7 +369,8 @@ def main() -> None:
             done[r["model_type"]] = r
     results = [done[t] for t in types if t in done]
     text = (f"```\n{machine()}\nsweep: {len(results)} model types, `kiln compile --max-length {POSITIONS}` (FP32"
-            f"{', INT4 rtn for decoders' if args.int4 else ''}), {time.perf_counter() - start:.0f} s\n```\n\n"
+            f"{', INT4 rtn for decoders' if args.int4 else ''}), {compile_seconds(results) / 60:.0f} min of compiles"
+            f"\n```\n\n"
             + table(results))
     print(text)
     if args.write_docs:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -177,3 +178,15 @@ def export(module: torch.nn.Module, args: tuple, **kwargs: Any) -> tuple[Any, Lo
     with capture() as log:
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS, **kwargs)
     return program, log
+
+
+def failure(e: BaseException) -> str:
+    """One line saying why an export failed: the exporter's own summary names the root cause last in a chain of
+    "<class ...>: message" lines (its first line only says which step failed); else the error's first line."""
+    text = str(e).strip()
+    if "Exception summary" in text:
+        causes = re.findall(r"<class '([\w.]+)'>: (.+)", text.split("Exception summary", 1)[1])
+        if causes:
+            kind, message = causes[0]
+            return f"{kind.rsplit('.', 1)[-1]}: {message.strip()[:300]}"
+    return text.splitlines()[0][:300] if text else type(e).__name__

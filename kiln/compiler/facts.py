@@ -36,10 +36,13 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
     layers = first("num_hidden_layers", "n_layer", "n_layers", "num_layers")
     heads = first("num_attention_heads", "n_head", "n_heads", "num_heads")
     hidden = first("hidden_size", "dim", "n_embd", "d_model")
-    if not (layers and heads and hidden):
+    if not layers:
         raise UnsupportedModelError(
-            f"checkpoint {ckpt.path} ({ckpt.model_type}) has no attention layers kiln can count (config lacks "
-            "num_hidden_layers / num_attention_heads / hidden_size); kiln compiles attention Transformers")
+            f"checkpoint {ckpt.path} ({ckpt.model_type}) has no layers kiln can count (config lacks num_hidden_layers "
+            "/ n_layer / num_layers); kiln compiles Transformers")
+    if not (heads and hidden):  # no attention the config names (a Fourier mixer), or per-layer counts: the graph says
+        return ModelFacts(ckpt.kind, int(layers), 0, 0, 0, ckpt.max_length, attentions_per_layer=0,
+                          experts_layers=len(routed_experts(ckpt.model)))
     kv = first("num_key_value_heads") or heads
     head_size = first("head_dim") or int(hidden) // int(heads)
     return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), int(head_size), ckpt.max_length,
@@ -55,7 +58,6 @@ def from_graph(facts: ModelFacts, graph: Path) -> ModelFacts:
     if not nodes:
         return facts
     seen = {k: {getattr(c, k) for c in nodes} for k in ("q_heads", "kv_heads", "head_size")}
-    one = {k: v.pop() for k, v in seen.items() if len(v) == 1}
-    return dataclasses.replace(facts, num_heads=one.get("q_heads", facts.num_heads),
-                               num_kv_heads=one.get("kv_heads", facts.num_kv_heads),
-                               head_size=one.get("head_size", facts.head_size))
+    one = {k: v.pop() if len(v) == 1 else max(v) for k, v in seen.items()}
+    return dataclasses.replace(facts, num_heads=one["q_heads"], num_kv_heads=one["kv_heads"],
+                               head_size=one["head_size"], captured=len(nodes))

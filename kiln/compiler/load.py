@@ -101,7 +101,10 @@ class Checkpoint:
         value = getattr(self.config, "vocab_size", None)
         if isinstance(value, int) and value > 0:
             return value
-        table = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        try:
+            table = self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # a model that reads characters, not a vocabulary
+            table = None
         rows = getattr(table, "num_embeddings", None)
         if isinstance(rows, int) and rows > 0:
             return rows

@@ -86,7 +86,7 @@ def kv_names(layers: int) -> dict[str, list[str]]:
 
 def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions,
                  shared_buffer: bool = True, dtype: str = "float32", row_lengths_refused: str | None = None,
-                 dims: dict[str, int] | None = None) -> None:
+                 dims: dict[str, Any] | None = None) -> None:
     """Decoders: the cache inputs/outputs, their layout and capacity, and what generation needs to stop.
     ``shared_buffer``: GroupQueryAttention's in-place cache (CPU); False for the TensorRT graph's Concat cache, whose
     present is the past plus the new positions (a runtime feeds it back as the next past). ``row_lengths_refused``:
@@ -102,15 +102,17 @@ def add_kv_cache(data: dict[str, Any], ckpt: Checkpoint, facts: ModelFacts, opti
     size = {"key": dims["head_size"], "value": dims["value_head_size"]}
     data["inputs"] = [dict(s, shape=["batch", "total_sequence"]) if s["name"] == "attention_mask" else s
                       for s in data["inputs"]]
-    data["inputs"] += [TensorSpec(n, dtype, ("batch", heads, "past_sequence", size[n.rsplit(".", 1)[1]]), True,
-                                  "empty").to_json() for n in names["past"]]
-    data["outputs"] += [TensorSpec(n, dtype, ("batch", heads, "present_sequence", size[n.rsplit(".", 1)[1]])).to_json()
-                        for n in names["present"]]
+    per = dims.get("layer_shapes") or [[heads, size[n.rsplit(".", 1)[1]]] for n in names["past"]]
+    data["inputs"] += [TensorSpec(n, dtype, ("batch", h, "past_sequence", d), True, "empty").to_json()
+                       for n, (h, d) in zip(names["past"], per)]
+    data["outputs"] += [TensorSpec(n, dtype, ("batch", h, "present_sequence", d)).to_json()
+                        for n, (h, d) in zip(names["present"], per)]
     data["dynamic_axes"]["total_sequence"] = {"min": 1, "max": capacity}
     data["kv_cache"] = {
         "layout": ["batch", "kv_heads", "sequence", "head_size"], "dtype": dtype,
         "num_layers": dims["layers"], "num_kv_heads": heads, "head_size": size["key"],
         **({"value_head_size": size["value"]} if size["value"] != size["key"] else {}),
+        **({"layer_shapes": dims["layer_shapes"]} if dims.get("layer_shapes") else {}),
         "past": names["past"], "present": names["present"], "capacity": capacity,
         # GroupQueryAttention writes new entries at position seqlens_k of the past it is given: a runtime
         # may bind one buffer of `capacity` positions as both past and present and never copy the cache.
@@ -198,20 +200,18 @@ def cache_dtype(graph: Path) -> str:
     return "float16" if past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "float32"
 
 
-def cache_dims(graph: Path) -> dict[str, int]:
+def cache_dims(graph: Path) -> dict[str, Any]:
     """The KV cache's KV heads and key / value features, read from the graph's past inputs (the captured attention
     gave each layer its own; a model's config can say otherwise, as multi-query or latent-attention configs do).
-    Raises when layers differ, which no runtime's cache layout takes."""
+    Layers that differ (per-layer head counts or sizes) are listed one by one in ``layer_shapes``."""
     model = onnx.load(str(graph), load_external_data=False)
-    dims: dict[str, set[tuple[int, int]]] = {"key": set(), "value": set()}
-    for i in model.graph.input:
-        if i.name.startswith("past_key_values."):
-            d = i.type.tensor_type.shape.dim
-            dims[i.name.rsplit(".", 1)[1]].add((d[1].dim_value, d[3].dim_value))
-    if len(dims["key"]) != 1 or len(dims["value"]) != 1 or \
-            next(iter(dims["key"]))[0] != next(iter(dims["value"]))[0]:
-        raise UnsupportedModelError(f"{graph.name}: layers keep caches of different shapes {sorted(dims['key'] | dims['value'])}; "
-                        "kiln's runtimes keep one (KV heads, head size) for every layer")
-    (heads, key), (_, value) = next(iter(dims["key"])), next(iter(dims["value"]))
-    layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
-    return {"num_kv_heads": heads, "head_size": key, "value_head_size": value, "layers": layers}
+    past = [(i.name, i.type.tensor_type.shape.dim) for i in model.graph.input if i.name.startswith("past_key_values.")]
+    shapes = [[d[1].dim_value, d[3].dim_value] for _, d in past]
+    keys = {tuple(s) for (n, _), s in zip(past, shapes) if n.endswith(".key")}
+    values = {tuple(s) for (n, _), s in zip(past, shapes) if n.endswith(".value")}
+    out: dict[str, Any] = {"layers": sum(1 for n, _ in past if n.endswith(".key"))}
+    (heads, key), (vheads, value) = shapes[0], shapes[1]
+    out.update(num_kv_heads=heads, head_size=key, value_head_size=value)
+    if len(keys) > 1 or len(values) > 1 or heads != vheads:
+        out["layer_shapes"] = shapes
+    return out

@@ -66,6 +66,9 @@ class ModelFacts:
     """Attention blocks per layer in this graph (an encoder-decoder's decoder: self + cross)."""
     experts_layers: int = 0
     """Mixture-of-experts layers (routed experts modules) in the model: ``fuse-moe`` must fold every one."""
+    captured: int = 0
+    """Attention calls the trace captured as nodes (0: not known, or none): where set, the attention blocks counted
+    (a layer may attend twice, a config may not name its heads)."""
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Stage:
     """Runs only when the options ask for it (SmoothQuant's alpha, a non-zero outlier ratio)."""
     coverage: str | None = None
     """The stat that counts what the stage fused: compared with one per attention block (``attention_summary``)."""
-    expected: Callable[[ModelFacts], int] = lambda f: f.num_layers * f.attentions_per_layer
+    expected: Callable[[ModelFacts], int] = lambda f: max(f.num_layers * f.attentions_per_layer, f.captured)
     """How many ``coverage`` counts when every block is fused (default: the attention blocks)."""
     covers: str = "attention"
     """What the coverage is of: "attention" (the fused kernels), "cache" (a decoder's KV cache) or "experts"."""
@@ -302,7 +305,7 @@ def attention_summary(record: list[dict[str, Any]], facts: ModelFacts, require_f
         elif stage.covers == "experts" and expected:
             experts = {"layers": expected, "fused": got,
                        "unfused_why": [f"{r['where']}: {r['why']}" for r in skipped][:3] if got < expected else []}
-    layers = facts.num_layers * facts.attentions_per_layer
+    layers = max(facts.num_layers * facts.attentions_per_layer, facts.captured + len(delegated or []))
     unfused = max(layers - fused, 0)
     why = sorted(set(reasons))
     for d in delegated or []:

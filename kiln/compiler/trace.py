@@ -111,7 +111,7 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
                 output_names=[s.name for s in outputs], opset_version=opset, optimize=True, verbose=False,
             )
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = capture.failure(e)
         raise ExportError(
             f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
             "report it with the checkpoint's config.json"

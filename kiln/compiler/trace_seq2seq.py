@@ -66,6 +66,13 @@ def _cache(layers: int, kv: tuple[torch.Tensor, ...] = ()):
     return cache
 
 
+def _output_type(model: nn.Module) -> type:
+    """The class the model's encoder returns (families read fields off it: ``last_hidden_state``, router logits)."""
+    with torch.no_grad():
+        ids = torch.ones((1, 2), dtype=torch.long)
+        return type(model.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True))
+
+
 class EncoderGraph(nn.Module):
     def __init__(self, ckpt: Checkpoint) -> None:
         super().__init__()
@@ -73,10 +80,10 @@ class EncoderGraph(nn.Module):
         self.layers = shapes(ckpt)["layers"]
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        encoded = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
         start = torch.full((input_ids.shape[0], 1), self.model.config.decoder_start_token_id, dtype=torch.long)
         cache = _cache(self.layers)
-        self.model(encoder_outputs=(hidden,), attention_mask=attention_mask, decoder_input_ids=start,
+        self.model(encoder_outputs=encoded, attention_mask=attention_mask, decoder_input_ids=start,
                    past_key_values=cache, use_cache=True)
         cross = cache.cross_attention_cache.layers
         return tuple(t for i in range(self.layers) for t in (cross[i].keys, cross[i].values))
@@ -88,12 +95,13 @@ class DecoderGraph(nn.Module):
         self.model = ckpt.model
         self.layers = shapes(ckpt)["layers"]
         self.hidden = shapes(ckpt)["hidden"]
+        self.encoded = _output_type(ckpt.model)
 
     def forward(self, decoder_input_ids, encoder_attention_mask, *kv):
         cache = _cache(self.layers, kv)
         # cross-attention reads the cached keys/values; the encoder states are only a shape placeholder
         dummy = torch.zeros(encoder_attention_mask.shape[0], encoder_attention_mask.shape[1], self.hidden)
-        out = self.model(encoder_outputs=(dummy,), attention_mask=encoder_attention_mask,
+        out = self.model(encoder_outputs=self.encoded(last_hidden_state=dummy), attention_mask=encoder_attention_mask,
                          decoder_input_ids=decoder_input_ids, past_key_values=cache, use_cache=True)
         own = cache.self_attention_cache.layers
         return (out.logits, *(t for i in range(self.layers) for t in (own[i].keys, own[i].values)))
@@ -157,7 +165,7 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
                 opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / DECODER))
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = capture.failure(e)
         raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
                           "report it with the checkpoint's config.json") from e
     return {ENCODER: log, DECODER: decoder_log}

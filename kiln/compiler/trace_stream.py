@@ -126,7 +126,7 @@ def export(ckpt: Checkpoint, path: Path, opset: int, say: Callable[[str], None])
     except ExportError:
         raise
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = capture.failure(e)
         raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
                           "report it with the checkpoint's config.json") from e
     say(f"traced without weights in {time.perf_counter() - start:.1f} s; writing {len(model.graph.initializers)} "

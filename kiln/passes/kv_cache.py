@@ -114,10 +114,11 @@ class AddKVCache(CachePass):
         reads = position_reads(g, model, self.mask_input, self._attention_lengths(g, layers))
         if isinstance(reads, Reason):
             return PassResult(g.model, False, empty, [reads])
+        sizes = self._head_sizes(model, layers)
         for i, node in enumerate(layers):
             heads = int(attr(node, "kv_num_heads", self.num_kv_heads))  # each layer's own (they may differ)
-            kv_shape = ["batch", heads, "past_sequence", self.head_size]
-            out_shape = ["batch", heads, "present_sequence", self.head_size]
+            kv_shape = ["batch", heads, "past_sequence", sizes[i]]
+            out_shape = ["batch", heads, "present_sequence", sizes[i]]
             names = {kind: (PAST.format(i, kind), PRESENT.format(i, kind)) for kind in ("key", "value")}
             node.input[3], node.input[4] = names["key"][0], names["value"][0]
             while len(node.output) < 3:
@@ -142,6 +143,24 @@ class AddKVCache(CachePass):
         g.toposort()
         g.reindex()
         return PassResult(g.model, True, {"layers": len(layers), "repointed_shapes": repointed, "sliced_positions": sliced})
+
+    def _head_sizes(self, model: onnx.ModelProto, layers: list[onnx.NodeProto]) -> list[int]:
+        """Each layer's head size, from the width shape inference gives its key (or packed query) input; the
+        configured one where inference cannot tell. Layers may differ (a model with wider global-attention heads)."""
+        widths = {}
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for v in (*inferred.graph.value_info, *inferred.graph.input):
+            dims = v.type.tensor_type.shape.dim
+            if dims and dims[-1].HasField("dim_value"):
+                widths[v.name] = dims[-1].dim_value
+        out = []
+        for node in layers:
+            heads, kv = int(attr(node, "num_heads", 0)), int(attr(node, "kv_num_heads", self.num_kv_heads))
+            packed = not (len(node.input) > 1 and node.input[1])
+            width = widths.get(node.input[0] if packed else node.input[1])
+            groups = heads + 2 * kv if packed else kv
+            out.append(width // groups if width and groups and width % groups == 0 else self.head_size)
+        return out
 
     def _attention_lengths(self, g: Graph, layers: list[onnx.NodeProto]) -> set[str]:
         """Every value the attention's seqlens / total length / padding bias are computed from."""

@@ -83,7 +83,13 @@ class Manifest:
 
 def cache_shape(kv: dict[str, Any], name: str, batch: int, positions: int) -> tuple[int, int, int, int]:
     """(batch, kv heads, positions, features) of one KV-cache tensor: values may have fewer features than keys
-    (``value_head_size``: multi-head latent attention)."""
+    (``value_head_size``: multi-head latent attention), and layers may differ (``layer_shapes``: each past tensor's
+    (kv heads, features), in the order of ``past``; a present tensor takes its past's)."""
+    shapes = kv.get("layer_shapes")
+    if shapes:
+        names = kv["past"] if name in kv["past"] else kv["present"]
+        heads, size = shapes[names.index(name)]
+        return batch, int(heads), positions, int(size)
     size = kv.get("value_head_size", kv["head_size"]) if name.endswith(".value") else kv["head_size"]
     return batch, int(kv["num_kv_heads"]), positions, int(size)
 
@@ -131,6 +137,9 @@ def malformed(data: dict[str, Any]) -> str | None:
     kv, gen = data.get("kv_cache"), data.get("generation")
     if kv is not None and len(kv["past"]) != len(kv["present"]):
         return f"kv_cache has {len(kv['past'])} past names but {len(kv['present'])} present names"
+    shapes = (kv or {}).get("layer_shapes")
+    if shapes is not None and (len(shapes) != len(kv["past"]) or any(len(x) != 2 for x in shapes)):
+        return f"kv_cache.layer_shapes holds {len(shapes)} entries for {len(kv['past'])} past names (each [heads, size])"
     if kind == "seq2seq" and (kv is None or "cross" not in kv or gen is None):
         return "an encoder-decoder needs kv_cache with cross names and generation"
     if kind == "seq2seq" and "decoder_start_token_id" not in gen:

@@ -115,20 +115,21 @@ class BufferPool:
         self._idle: list[tuple[tuple[int, int], dict[str, np.ndarray]]] = []
         self._lock = threading.Lock()
 
-    def take(self, names: list[str], shape: tuple[int, int, int, int]) -> dict[str, np.ndarray]:
-        key = (shape[0], shape[2])
+    def take(self, kv: dict, batch: int, positions: int) -> dict[str, np.ndarray]:
+        """One buffer per past name of ``kv`` (each its layer's own shape, ``cache_shape``), ``positions`` long."""
+        key = (batch, positions)
         with self._lock:
             found = next((i for i, (k, _) in enumerate(self._idle) if k == key), None)
             buffers = self._idle.pop(found)[1] if found is not None else None
         if buffers is None:
-            return {name: np.zeros(shape, np.float32) for name in names}
+            return {name: np.zeros(cache_shape(kv, name, batch, positions), np.float32) for name in kv["past"]}
         for b in buffers.values():  # positions past a request's length are never read; zeroed all the same
             b.fill(0)
         return buffers
 
-    def give(self, shape: tuple[int, int, int, int], buffers: dict[str, np.ndarray]) -> None:
+    def give(self, batch: int, positions: int, buffers: dict[str, np.ndarray]) -> None:
         with self._lock:
-            self._idle.append(((shape[0], shape[2]), buffers))
+            self._idle.append(((batch, positions), buffers))
             del self._idle[:-self.keep]
 
     def clear(self) -> None:
@@ -179,8 +180,8 @@ class SharedBufferCache(CacheRunner):
         self.runtime = runtime
         session = runtime.session
         cap = int(kv["capacity"])
-        self.shape = (batch, int(kv["num_kv_heads"]), bucket(length, cap) if length else cap, int(kv["head_size"]))
-        self.arrays = runtime.pool.take(list(kv["past"]), self.shape)
+        self.batch, self.positions = batch, bucket(length, cap) if length else cap
+        self.arrays = runtime.pool.take(kv, self.batch, self.positions)
         self.buffers = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self.arrays.items()}
         self.binding = session.io_binding()
         for past, present in zip(kv["past"], kv["present"]):
@@ -208,7 +209,7 @@ class SharedBufferCache(CacheRunner):
         if self.buffers:
             self.buffers = {}
             self.binding = None
-            self.runtime.pool.give(self.shape, self.arrays)
+            self.runtime.pool.give(self.batch, self.positions, self.arrays)
             self.arrays = {}
 
 
@@ -224,8 +225,7 @@ class SlotCache:
     def __init__(self, runtime: OnnxRuntime, kv: dict, slots: int, positions: int) -> None:
         self.runtime = runtime
         self.kv = kv
-        self.shape = (slots, int(kv["num_kv_heads"]), positions, int(kv["head_size"]))
-        self.arrays = {name: np.zeros(self.shape, np.float32) for name in kv["past"]}
+        self.arrays = {name: np.zeros(cache_shape(kv, name, slots, positions), np.float32) for name in kv["past"]}
         session = runtime.session
         self.vocab = int(next(o.shape[-1] for o in session.get_outputs() if o.name == "logits"))
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list]] = {}

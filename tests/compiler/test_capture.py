@@ -81,3 +81,12 @@ def test_the_interface_is_restored_even_when_tracing_fails():
         assert AttentionInterface._global_mapping["sdpa"].__name__ == "kiln_attention_sdpa"
         raise RuntimeError("export failed")
     assert AttentionInterface._global_mapping == before
+
+
+def test_an_export_failure_reads_as_its_root_cause():
+    summary = ("Failed to export the model with torch.export. This is step 1/3 of exporting the model to ONNX.\n"
+               "## Exception summary\n\n<class 'torch._dynamo.exc.UserError'>: Constraints violated (sequence)!\n"
+               "(Refer to the full stack trace above for more information.)")
+    assert capture.failure(RuntimeError(summary)) == "UserError: Constraints violated (sequence)!"
+    assert capture.failure(ValueError("one line\nmore")) == "one line"
+    assert capture.failure(KeyError()) == "KeyError"
