@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kiln.errors import UnsupportedModelError
 from kiln.passes import attention_node
 
 # Arguments that select a kernel or ask for debugging output; they never change what attention computes.
@@ -73,9 +74,9 @@ def _onnx(q, k, v, mask=None, sinks=None, bias=None, scale: float = 1.0, softcap
     from onnxscript.values import Opset
 
     op = Opset(attention_node.DOMAIN, 1)
-    return op.CapturedAttention(q, k, v, mask, sinks, bias, scale=float(scale), softcap=float(softcap), causal=int(causal),
-                        window=int(window), layer=int(layer), q_heads=int(q.shape[1]), kv_heads=int(k.shape[1]),
-                        head_size=int(q.shape[3]), v_head_size=int(v.shape[3]))
+    return op.CapturedAttention(q, k, v, mask, sinks, bias, scale=float(scale), softcap=float(softcap),
+                                causal=int(causal), window=int(window), layer=int(layer), q_heads=int(q.shape[1]),
+                                kv_heads=int(k.shape[1]), head_size=int(q.shape[3]), v_head_size=int(v.shape[3]))
 
 
 TRANSLATIONS = {torch.ops.kiln.attention.default: _onnx}
@@ -159,11 +160,15 @@ def _own_eager(module: Any):
 def capture() -> Iterator[Log]:
     """Inside: every model's ``sdpa`` / ``eager`` attention emits ``kiln::attention`` (the interface's other entries,
     and families that compute attention themselves, are untouched)."""
-    from transformers.modeling_utils import AttentionInterface
-
-    mapping = AttentionInterface._global_mapping
-    saved = dict(mapping)
     log = Log()
+    try:
+        from transformers.modeling_utils import AttentionInterface
+
+        mapping = AttentionInterface._global_mapping
+    except (ImportError, AttributeError):  # a transformers without the interface: attention runs as traced
+        yield log
+        return
+    saved = dict(mapping)
     try:
         for entry in ENTRIES:
             mapping[entry] = _function(entry, saved.get(entry), log)
@@ -173,11 +178,54 @@ def capture() -> Iterator[Log]:
         mapping.update(saved)
 
 
-def export(module: torch.nn.Module, args: tuple, **kwargs: Any) -> tuple[Any, Log]:
-    """``torch.onnx.export(dynamo=True)`` with attention captured: the ONNX program and what the capture saw."""
+def export(module: torch.nn.Module, args: tuple, *, source: str, dynamic_shapes: dict,
+           **kwargs: Any) -> tuple[Any, Log]:
+    """``torch.onnx.export(dynamo=True)`` with attention captured: the ONNX program and what the capture saw.
+    ``source`` names the checkpoint in errors. Raises UnsupportedModelError when the graph fixes an axis that
+    ``dynamic_shapes`` declares dynamic: the exporter's fallbacks accept a forward whose Python depends on that
+    length (a loop over tokens, as in state-space and recurrent layers), and such a graph serves one length only."""
     with capture() as log:
-        program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS, **kwargs)
+        program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS,
+                                    dynamic_shapes=dynamic_shapes, **kwargs)
+    fixed = fixed_axes(program.model.graph.inputs, dynamic_shapes)
+    if fixed:
+        name, axis, dim, size = fixed[0]
+        raise UnsupportedModelError(
+            f"{source}: the traced graph fixes {name} axis {axis} ({dim}) to {size}, so it would serve that one "
+            "length only: the model's forward computes with the length as a Python number (a loop over tokens, as "
+            "in state-space and recurrent layers, or a table built for it); kiln compiles graphs for any batch and "
+            "length, so this architecture cannot be compiled")
     return program, log
+
+
+def fixed_axes(inputs: Any, dynamic_shapes: dict) -> list[tuple[str, int, str, int]]:
+    """(input, axis, dimension name, size) for each axis declared dynamic that the graph's inputs hold fixed;
+    ``dynamic_shapes`` is read in the forward's argument order, nested tuples flattened."""
+    declared: list[dict] = []
+
+    def flatten(spec: Any) -> None:
+        if isinstance(spec, dict) and not any(isinstance(v, (dict, tuple, list)) for v in spec.values()):
+            declared.append(spec)
+        elif isinstance(spec, dict):
+            for v in spec.values():
+                flatten(v)
+        elif isinstance(spec, (tuple, list)):
+            for v in spec:
+                flatten(v)
+        else:
+            declared.append({})
+
+    flatten(dynamic_shapes)
+    inputs = list(inputs)
+    if len(declared) != len(inputs):  # the exporter dropped an unused input: no reliable pairing
+        declared = [{}] * len(inputs)
+    out = []
+    for value, axes in zip(inputs, declared):
+        shape = value.shape
+        for axis, dim in (axes or {}).items():
+            if shape is not None and axis < len(shape) and isinstance(shape[axis], int):
+                out.append((value.name, axis, getattr(dim, "__name__", str(dim)), int(shape[axis])))
+    return out
 
 
 def failure(e: BaseException) -> str:

@@ -17,7 +17,7 @@ from torch import nn
 from kiln.compiler import capture
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.scoped import logger_level
-from kiln.errors import ExportError
+from kiln.errors import ExportError, UnsupportedModelError
 from kiln.runtimes.artifact import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,11 @@ def export(ckpt: Checkpoint, path: Path, opset: int, external_data_threshold: in
             warnings.simplefilter("ignore")
             program, log = capture.export(
                 module, example, dynamic_shapes=dynamic, input_names=[s.name for s in inputs],
-                output_names=[s.name for s in outputs], opset_version=opset, optimize=True, verbose=False,
+                output_names=[s.name for s in outputs], source=f"{ckpt.path} ({ckpt.architecture})",
+                opset_version=opset, optimize=True, verbose=False,
             )
+    except UnsupportedModelError:
+        raise
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
         first = capture.failure(e)
         raise ExportError(

@@ -150,7 +150,7 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
             program, log = capture.export(
                 enc, (ids, mask), dynamic_shapes={"input_ids": {0: batch, 1: source}, "attention_mask": {0: batch, 1: source}},
                 input_names=[t.name for t in spec["encoder"]["inputs"]], output_names=[t.name for t in spec["encoder"]["outputs"]],
-                opset_version=opset, optimize=True, verbose=False)
+                source=f"{ckpt.path} ({ckpt.architecture})", opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / ENCODER))
             kv: list[torch.Tensor] = []
             for i in range(s["layers"]):
@@ -162,8 +162,10 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
                 dynamic_shapes={"decoder_input_ids": {0: batch, 1: seq}, "encoder_attention_mask": {0: batch, 1: source},
                                 "kv": kv_dims},
                 input_names=[t.name for t in spec["decoder"]["inputs"]], output_names=[t.name for t in spec["decoder"]["outputs"]],
-                opset_version=opset, optimize=True, verbose=False)
+                source=f"{ckpt.path} ({ckpt.architecture})", opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / DECODER))
+    except UnsupportedModelError:
+        raise
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
         first = capture.failure(e)
         raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "

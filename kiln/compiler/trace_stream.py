@@ -22,7 +22,7 @@ from kiln.compiler import capture
 from kiln.compiler.lazy import LazyWeights, parameter_keys
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.scoped import logger_level
-from kiln.errors import ExportError
+from kiln.errors import ExportError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,15 @@ def export(ckpt: Checkpoint, path: Path, opset: int, say: Callable[[str], None])
             warnings.simplefilter("ignore")
             program, log = capture.export(
                 module, example, dynamic_shapes=dynamic, input_names=[s.name for s in inputs],
-                output_names=[s.name for s in outputs], opset_version=opset, optimize=False, verbose=False)
+                output_names=[s.name for s in outputs], source=f"{ckpt.path} ({ckpt.architecture})",
+                opset_version=opset, optimize=False, verbose=False)
         model = program.model
         attach_weights(model, ckpt)
         onnxscript.optimizer.optimize_ir(model)
         onnxscript.rewriter.onnx_fusions.fuse(model)
     except ExportError:
+        raise
+    except UnsupportedModelError:
         raise
     except Exception as e:  # the exporter raises many unrelated types; keep the first line for the user
         first = capture.failure(e)

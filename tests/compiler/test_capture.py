@@ -90,3 +90,18 @@ def test_an_export_failure_reads_as_its_root_cause():
     assert capture.failure(RuntimeError(summary)) == "UserError: Constraints violated (sequence)!"
     assert capture.failure(ValueError("one line\nmore")) == "one line"
     assert capture.failure(KeyError()) == "KeyError"
+
+
+def test_fixed_axes_pairs_nested_dynamic_shapes_with_the_graph_inputs_in_order():
+    """The encoder-decoder's decoder declares its cache as a tuple of per-tensor specs: flattened in argument order,
+    each pairs with its graph input, and only a declared axis the graph holds fixed is reported."""
+    from types import SimpleNamespace as NS
+
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    spec = {"ids": {0: batch, 1: seq}, "mask": None, "kv": ({0: batch}, {0: batch, 2: seq})}
+    inputs = [NS(name="ids", shape=("b", "s")), NS(name="mask", shape=(2, 8)), NS(name="k", shape=("b", 2, 8)),
+              NS(name="v", shape=("b", 2, 8))]
+    assert capture.fixed_axes(inputs, spec) == [("v", 2, "sequence", 8)]
+    inputs[0] = NS(name="ids", shape=("b", 8))
+    assert capture.fixed_axes(inputs, spec) == [("ids", 1, "sequence", 8), ("v", 2, "sequence", 8)]
+    assert capture.fixed_axes(inputs[:3], spec) == []  # an input dropped: no pairing is trusted

@@ -84,15 +84,17 @@ def test_model_type_transformers_cannot_load(capsys, tmp_path, good_ckpt):
     assert_fails(capsys, tmp_path, [str(ckpt)], 1, "'notatransformer'", "cannot load", "upgrade transformers")
 
 
-def test_architecture_without_attention_names_what_is_missing(capsys, tmp_path):
-    """Not refused by name: a Mamba checkpoint loads, and fails because it has no attention layers to count."""
+def test_architecture_whose_graph_fixes_the_length_names_it(capsys, tmp_path):
+    """Not refused by name: a Mamba checkpoint loads and traces (an architecture without attention may compile, as
+    FNet's does), and fails because its graph serves one sequence length only."""
     import torch
     import transformers as T
 
     torch.manual_seed(0)
     T.MambaForCausalLM(T.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)).save_pretrained(
         tmp_path / "mamba")
-    assert_fails(capsys, tmp_path, [str(tmp_path / "mamba")], 1, "mamba", "no attention layers", "num_attention_heads")
+    assert_fails(capsys, tmp_path, [str(tmp_path / "mamba")], 1, "MambaForCausalLM", "fixes input_ids axis 1 (sequence)",
+                 "cannot be compiled")
 
 
 def test_unsupported_head_suggests_task(capsys, tmp_path, good_ckpt):
