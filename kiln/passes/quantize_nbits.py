@@ -514,12 +514,13 @@ class QuantizeBlockwise(Pass):
         return new, tensors, counts
 
     def _tables(self, g: Graph) -> dict[str, onnx.NodeProto]:
-        """Token-embedding Gathers: a constant 2-D FP32 table read at a graph input's indices along axis 0."""
+        """Token-embedding Gathers: a constant 2-D FP32 table read along axis 0 at a graph input's indices, as given
+        or only reshaped (GPT-2 and OPT flatten the ids to (-1, length) before the lookup)."""
         out = {}
         inputs = {i.name for i in g.g.input}
         for handle in g.nodes_of("Gather"):
             node = g.node(handle)
-            if attr(node, "axis", 0) != 0 or node.input[1] not in inputs:
+            if attr(node, "axis", 0) != 0 or self._ids_source(g, node.input[1]) not in inputs:
                 continue
             init = g.initializers.get(node.input[0])
             if init is not None:  # judged by its dims and type: a streamed 128k x 4096 table is not read for this
@@ -530,6 +531,18 @@ class QuantizeBlockwise(Pass):
             if ok:
                 out[node.input[0]] = node
         return out
+
+    @staticmethod
+    def _ids_source(g: Graph, value: str) -> str:
+        """The value ``value`` reshapes (Reshape, Flatten, Squeeze, Unsqueeze, Identity: the same ids in another
+        shape), followed to its origin; ``value`` itself when something else made it."""
+        for _ in range(8):
+            p = g.node(value)
+            if p is None or p.domain not in ("", "ai.onnx") or \
+                    p.op_type not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
+                return value
+            value = p.input[0]
+        return value
 
     def _prepare(self, g: Graph, mm: onnx.NodeProto, q: Quantized) -> Prepared:
         """The initializers one MatMul's lowering needs, made (and spilled) now; the graph is not touched."""

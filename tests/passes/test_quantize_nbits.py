@@ -251,6 +251,32 @@ def test_embedding_table_and_head_precision():
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("via, found", [("Reshape", True), ("Add", False)])
+def test_embedding_lookup_of_reshaped_ids_is_the_table(via, found):
+    """Ids only reshaped before the lookup (GPT-2 and OPT flatten them to (-1, length)) are still the input's ids:
+    the table is quantized; ids computed from the input (here shifted by one) are not a token lookup: left FP32."""
+    e = np.random.default_rng(2).standard_normal((40, 32)).astype(np.float32)
+    make = (helper.make_node("Reshape", ["ids", "shape"], ["ids2"]) if via == "Reshape"
+            else helper.make_node("Add", ["ids", "one"], ["ids2"]))
+    g = helper.make_graph([make, helper.make_node("Gather", ["E", "ids2"], ["h"]),
+                           helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0)],
+                          "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "S"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                          [numpy_helper.from_array(e, "E"), numpy_helper.from_array(np.array([-1, 3], np.int64), "shape"),
+                           numpy_helper.from_array(np.array(1, np.int64), "one")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, embedding_bits=8, accuracy_level=0)])
+    assert ("GatherBlockQuantized" in op_types(out)) == found
+    assert record[0]["stats"]["embedding"] == ("int8" if found else None)
+    ids = np.array([[0, 5, 38]], np.int64)
+    table = rtn(e.T, 8, 32).dequantize().T if found else e
+    looked_up = ids.reshape(-1, 3) if found else ids + 1
+    np.testing.assert_allclose(run_unoptimised(out, {"ids": ids})[0], table[looked_up].sum(), rtol=1e-5, atol=1e-4)
+    if not found:
+        assert out.SerializeToString() == model.SerializeToString()
+
+
 def test_dequantize_form_needs_opset_21_and_symmetric_codes():
     model, w = matmul_graph()
     out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, grid="positive", form="dequantize")])

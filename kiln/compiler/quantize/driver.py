@@ -70,10 +70,18 @@ class QuantDriver:
         self._fake: Any = None
         self.kept_columns: set[str] = set()
         self.promoted_columns: set[str] = set()
+        """Column keys of the weights an INT4 budget kept FP32 / promoted to INT8 (the fake-quantized reference too)."""
         self.fp32_columns: set[str] = set()
         """INT4: first-column keys of the weights the quantized graph still multiplies in FP32 (routers, which the pass
         keeps FP32 by what their logits feed): ``fake_quantized`` keeps them FP32 too."""
-        """Column keys of the weights an INT4 budget kept FP32 / promoted to INT8 (the fake-quantized reference too)."""
+        self.quantized_columns: set[str] = set()
+        """INT4: keys of the weights the pass quantized (MatMul weights before it, minus those still FP32 after):
+        ``fake_quantized`` rounds the ones a model holds outside its Linears (stacked experts read one matrix at a
+        time) by them."""
+        self.embedding_quantized: bool | None = None
+        """INT4: whether the pass found the token-embedding lookup and quantized its table (a lookup it does not
+        recognise stays FP32): ``fake_quantized`` and ``codes_transform`` round the table only when it did (None,
+        before the pass ran: as the precision's rules say)."""
         self.named: dict[str, Any] = {}
         """The solver's codes by module name (``kiln export-gptq`` writes them)."""
         self._solved: dict[str, str] = {}
@@ -189,8 +197,9 @@ class QuantDriver:
                 return model, [{"name": name, "modified": False, "stats": {},
                                 "skipped": [{"where": "graph", "why": "no calibration text (the checkpoint has no tokenizer)"}]}]
             data = StageData(given=self.ckpt.codebook)
+            before = self._matmul_weights(model)
             return self._int4_record(*run_passes(model, [build_pass(name, self.facts, self.options, data)],
-                                                 progress=self.say))
+                                                 progress=self.say), before)
         data = StageData()
         if self.options.precision == "int4":
             if self.ckpt.codebook is not None:
@@ -207,21 +216,31 @@ class QuantDriver:
             result = self._search(name, model, data)
             data.keep_fp32 = tuple(result["kept_fp32"])
             data.promote_int8 = tuple(result.get("promoted_int8", ()))
+        before = self._matmul_weights(model) if stage.quantizer else set()
         out, record = run_passes(model, [build_pass(name, self.facts, self.options, data)], progress=self.say)
         if stage.quantizer:
             record[0]["calibration"] = dict(self.info, **({"method": self.options.calibration_method}
                                                          if data.ranges is not None else {}))
             if result:
                 record[0]["budget"] = {k: v for k, v in result.items() if k != "model"}
-            return self._int4_record(out, record)
+            return self._int4_record(out, record, before)
         return out, record
 
-    def _int4_record(self, out: onnx.ModelProto, record: list[dict[str, Any]]) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
-        """A quantizer's record, with what the manifest says about INT4 (imported codes checked to be all used)."""
+    def _matmul_weights(self, model: onnx.ModelProto) -> set[str]:
+        """INT4, a checkpoint in memory: the keys of every weight a MatMul of ``model`` reads as a constant (the
+        quantizer's candidates); a streamed one's reference is made tensor by tensor instead (``codes_transform``)."""
+        return fp32_weight_columns(model) if self.options.precision == "int4" and not self.ckpt.streamed else set()
+
+    def _int4_record(self, out: onnx.ModelProto, record: list[dict[str, Any]],
+                     before: set[str]) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
+        """A quantizer's record, with what the manifest says about INT4 (imported codes checked to be all used);
+        ``before``: the MatMul weights' keys of the graph it was handed."""
         if self.options.precision == "int4":
             self._check_imported(record[0]["stats"])
             record[0]["int4"] = self.int4_settings(record[0]["stats"])
             self.fp32_columns = fp32_weight_columns(out)
+            self.quantized_columns = before - self.fp32_columns
+            self.embedding_quantized = bool(record[0]["stats"].get("embedding"))
         return out, record
 
     def _check_imported(self, stats: dict[str, Any]) -> None:
@@ -264,20 +283,17 @@ class QuantDriver:
         model = self._fake
         if model is None:
             model = copy.deepcopy(self.ckpt.model)
-            if self.ckpt.codebook is None:  # round-to-nearest: every Linear of the blocks on the pass's grid
-                try:
-                    blocks = list(gptq.transformer_blocks(model, self.facts.num_layers))
-                except UnsupportedModelError:  # no list of one block per layer: every Linear but the head, as the graph does
-                    blocks = [model]
+            if self.ckpt.codebook is None:  # round-to-nearest: every Linear but the head on the pass's grid, as the
+                # graph does (a prediction head's transform before the vocabulary projection included); what the graph
+                # still multiplies in FP32 is put back below
                 out_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-                for block in blocks:
-                    for m in (m for m in block.modules() if m is not out_head):
-                        if gptq.is_linear(m):
-                            conv = not isinstance(m, torch.nn.Linear)
-                            w_kn = m.weight.detach().numpy() if conv else m.weight.detach().numpy().T
-                            deq = rtn(w_kn, rules.bits, rules.block_size, grid).dequantize()
-                            with torch.no_grad():
-                                m.weight.copy_(torch.from_numpy(deq if conv else np.ascontiguousarray(deq.T)))
+                for m in (m for m in model.modules() if m is not out_head):
+                    if gptq.is_linear(m):
+                        conv = not isinstance(m, torch.nn.Linear)
+                        w_kn = m.weight.detach().numpy() if conv else m.weight.detach().numpy().T
+                        deq = rtn(w_kn, rules.bits, rules.block_size, grid).dequantize()
+                        with torch.no_grad():
+                            m.weight.copy_(torch.from_numpy(deq if conv else np.ascontiguousarray(deq.T)))
 
         def tier(w_kn: np.ndarray) -> int | None:
             """The budget's choice for a weight, by its first column: 0 (FP32), 8 (promoted) or None (not moved)."""
@@ -305,6 +321,8 @@ class QuantDriver:
                     elif bits:  # the pass's promotion: round-to-nearest at PROMOTED
                         deq = rtn(w_kn, *PROMOTED, grid).dequantize()
                         m.weight.copy_(torch.from_numpy(deq if conv else np.ascontiguousarray(deq.T)))
+        if self.ckpt.codebook is None and self.quantized_columns:
+            self._round_stacked(model, rules, tier)
         head, block = rules.head_bits, rules.head_block_size
         in_emb = model.get_input_embeddings()
         with torch.no_grad():
@@ -319,12 +337,44 @@ class QuantDriver:
                 if not solved:  # else the model already holds what the solver's head codes dequantize to
                     w = rtn(head_kn, head, block, grid).dequantize() if head else head_kn
                     out_emb.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
-            if rules.embedding_bits and rules.form == "matmulnbits":
+            if rules.embedding_bits and rules.form == "matmulnbits" and self.embedding_quantized is not False:
                 e = in_emb.weight.detach().numpy()
                 in_emb.weight.copy_(torch.from_numpy(
                     rtn(e.T, rules.embedding_bits, rules.head_block_size, "signed").dequantize().T.copy()))
         self._fake = None
         return model
+
+    def _round_stacked(self, model: Any, rules: Any, tier: Callable[[np.ndarray], int | None]) -> None:
+        """Round-to-nearest, in place, the matrices of ``model``'s parameters outside its Linears that the graph
+        multiplied and the pass quantized (a (experts, out, in) stack whose forward reads ``weight[e]``: each
+        expert's matrix found by its key, in either orientation); parameters that Linears view (transformers'
+        experts through kiln's dense implementation), the embedding and the head are left to the rest."""
+        import torch
+
+        from kiln.passes.quantize_nbits import rtn, weight_key
+
+        skip = {model.get_input_embeddings()}
+        if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
+            skip.add(model.get_output_embeddings())
+        viewed = {m.weight.untyped_storage().data_ptr() for m in model.modules() if gptq.is_linear(m)}
+        with torch.no_grad():
+            for module in model.modules():
+                if module in skip or gptq.is_linear(module):
+                    continue
+                for p in module.parameters(recurse=False):
+                    if p.dim() not in (2, 3) or p.untyped_storage().data_ptr() in viewed:
+                        continue
+                    for mat in (p.unsqueeze(0) if p.dim() == 2 else p):
+                        for kn, back in ((mat.T, True), (mat, False)):  # F.linear reads it transposed, bmm as is
+                            w = np.ascontiguousarray(kn.detach().numpy())
+                            if weight_key(w[:, :1]) not in self.quantized_columns:
+                                continue
+                            bits = tier(w)
+                            if bits != 0:
+                                deq = rtn(w, bits or rules.bits, PROMOTED[1] if bits else rules.block_size,
+                                          rules.grid).dequantize()
+                                mat.copy_(torch.from_numpy(np.ascontiguousarray(deq.T if back else deq)))
+                            break
 
     def codes_transform(self) -> Callable[[str, Any], Any]:
         """``fake_quantized`` for a streamed checkpoint, one tensor at a time: (the shell's parameter name, FP32
@@ -365,7 +415,7 @@ class QuantDriver:
                     return value
                 deq = rtn(value.numpy().T, rules.head_bits, rules.head_block_size, rules.grid).dequantize()
                 return torch.from_numpy(np.ascontiguousarray(deq.T))
-            if name in tables and rules.embedding_bits and rules.form == "matmulnbits":
+            if name in tables and rules.embedding_bits and rules.form == "matmulnbits" and self.embedding_quantized is not False:
                 deq = rtn(value.numpy().T, rules.embedding_bits, rules.head_block_size, "signed").dequantize()
                 return torch.from_numpy(np.ascontiguousarray(deq.T))
             return value
