@@ -515,7 +515,7 @@ class QuantizeBlockwise(Pass):
 
     def _tables(self, g: Graph) -> dict[str, onnx.NodeProto]:
         """Token-embedding Gathers: a constant 2-D FP32 table read along axis 0 at a graph input's indices, as given
-        or only reshaped (GPT-2 and OPT flatten the ids to (-1, length) before the lookup)."""
+        or only reshaped (some families flatten the ids to (-1, length) before the lookup)."""
         out = {}
         inputs = {i.name for i in g.g.input}
         for handle in g.nodes_of("Gather"):
