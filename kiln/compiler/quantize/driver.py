@@ -227,9 +227,11 @@ class QuantDriver:
         return out, record
 
     def _matmul_weights(self, model: onnx.ModelProto) -> set[str]:
-        """INT4, a checkpoint in memory: the keys of every weight a MatMul of ``model`` reads as a constant (the
-        quantizer's candidates); a streamed one's reference is made tensor by tensor instead (``codes_transform``)."""
-        return fp32_weight_columns(model) if self.options.precision == "int4" and not self.ckpt.streamed else set()
+        """INT4, a checkpoint in memory with matrices outside its Linears (``stacked_params``): the keys of every weight
+        a MatMul of ``model`` reads as a constant (the quantizer's candidates); else nothing (nothing to find by key;
+        a streamed one's reference is made tensor by tensor, ``codes_transform``)."""
+        wanted = self.options.precision == "int4" and not self.ckpt.streamed and next(stacked_params(self.ckpt.model), None) is not None
+        return fp32_weight_columns(model) if wanted else set()
 
     def _int4_record(self, out: onnx.ModelProto, record: list[dict[str, Any]],
                      before: set[str]) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
@@ -353,28 +355,19 @@ class QuantDriver:
 
         from kiln.passes.quantize_nbits import rtn, weight_key
 
-        skip = {model.get_input_embeddings()}
-        if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
-            skip.add(model.get_output_embeddings())
-        viewed = {m.weight.untyped_storage().data_ptr() for m in model.modules() if gptq.is_linear(m)}
         with torch.no_grad():
-            for module in model.modules():
-                if module in skip or gptq.is_linear(module):
-                    continue
-                for p in module.parameters(recurse=False):
-                    if p.dim() not in (2, 3) or p.untyped_storage().data_ptr() in viewed:
-                        continue
-                    for mat in (p.unsqueeze(0) if p.dim() == 2 else p):
-                        for kn, back in ((mat.T, True), (mat, False)):  # F.linear reads it transposed, bmm as is
-                            w = np.ascontiguousarray(kn.detach().numpy())
-                            if weight_key(w[:, :1]) not in self.quantized_columns:
-                                continue
-                            bits = tier(w)
-                            if bits != 0:
-                                deq = rtn(w, bits or rules.bits, PROMOTED[1] if bits else rules.block_size,
-                                          rules.grid).dequantize()
-                                mat.copy_(torch.from_numpy(np.ascontiguousarray(deq.T if back else deq)))
-                            break
+            for p in stacked_params(model):
+                for mat in (p.unsqueeze(0) if p.dim() == 2 else p):
+                    for kn, back in ((mat.T, True), (mat, False)):  # F.linear reads it transposed, bmm as is
+                        w = np.ascontiguousarray(kn.detach().numpy())
+                        if weight_key(w[:, :1]) not in self.quantized_columns:
+                            continue
+                        bits = tier(w)
+                        if bits != 0:
+                            deq = rtn(w, bits or rules.bits, PROMOTED[1] if bits else rules.block_size,
+                                      rules.grid).dequantize()
+                            mat.copy_(torch.from_numpy(np.ascontiguousarray(deq.T if back else deq)))
+                        break
 
     def codes_transform(self) -> Callable[[str, Any], Any]:
         """``fake_quantized`` for a streamed checkpoint, one tensor at a time: (the shell's parameter name, FP32
@@ -581,6 +574,22 @@ def cost_and_gain(record: list[dict[str, Any]], report: dict[str, Any]) -> dict[
                        "more_bits": q["stats"].get("more_bits", 0),
                        "bits_per_weight": q["stats"].get("bits_per_weight")}
     return out
+
+
+def stacked_params(model: Any) -> Any:
+    """The 2-D and 3-D parameters of ``model`` outside its Linears, its embedding and its head, and not viewed by a
+    Linear (transformers' experts through kiln's dense implementation): matrices a forward may multiply directly
+    (a (experts, out, in) stack read as ``weight[e]``)."""
+    skip = {model.get_input_embeddings()}
+    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None:
+        skip.add(model.get_output_embeddings())
+    viewed = {m.weight.untyped_storage().data_ptr() for m in model.modules() if gptq.is_linear(m)}
+    for module in model.modules():
+        if module in skip or gptq.is_linear(module):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.dim() in (2, 3) and p.untyped_storage().data_ptr() not in viewed:
+                yield p
 
 
 def fp32_weight_columns(model: Any) -> set[str]:
