@@ -5,8 +5,10 @@
 
 Walks transformers' own auto mappings (causal-LM, masked-LM, sequence-classification, seq2seq LM), builds each
 ``model_type`` from its config class with one generic shrinker (hidden 64, 2 layers, 4 query / 2 KV heads of 16,
-MLP 128, 4 experts top 2, vocab 512, 128 positions; every size key a config has is shrunk, nothing is set per
-family), saves it with random weights and runs ``kiln compile DIR -o OUT --max-length 128`` on it in a child
+MLP 128, 4 experts top 2, vocab 512, 128 positions; every size key a config has is shrunk, the sizes derived from
+others kept consistent, nothing is set per family), checks that the tiny model runs a forward in transformers itself
+(else once more at hidden 96, which splits into six; a model that still does not run is left out with the error),
+saves it with random weights and runs ``kiln compile DIR -o OUT --max-length 128`` on it in a child
 process, then ``--precision int4 --quant-method rtn`` for the decoders that compiled at FP32.
 
 Each architecture ends as one of:
@@ -35,13 +37,19 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+HIDDEN_BY_SIX = 96
+"""The hidden size of a second try, for the models whose tiny config does not run at ``HIDDEN``: one that splits
+into six equal parts (layout models embed a box's four coordinates and two sizes in sixths of the hidden)."""
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, POSITIONS = 64, 2, 4, 2, 16, 128, 512, 128
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
              "decoder_attention_heads", "num_decoder_attention_heads")
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 SIZES = [  # (value, the keys that take it): a list, since values repeat
     (HIDDEN, ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim", "word_embed_proj_dim")),
     (LAYERS, ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
@@ -52,8 +60,8 @@ SIZES = [  # (value, the keys that take it): a list, since values repeat
                "qk_rope_head_dim", "rotary_dim")),
     (FFN, ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "hidden_dim",
           "ffn_hidden_size", "dense_intermediate_size")),
-    (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")),
-    (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")),
+    (4, EXPERTS),
+    (2, TOP_K),
     (32, ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size", "embedding_size",
          "moe_ffn_hidden_size", "kv_lora_rank", "q_lora_rank", "expert_hidden_size")),
     (POSITIONS, ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
@@ -74,9 +82,10 @@ RECURRENT_MODULES = ("Mamba", "Rwkv", "Lstm", "LSTM", "Recurrent", "Ssm", "SSM",
                      "ShortConv", "Lru")
 MAPPINGS = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
             "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES")
-SLICE = ["falcon", "gemma2", "gpt_oss", "deepseek_v3", "bloom", "modernbert"]
+SLICE = ["falcon", "gemma2", "gpt_oss", "deepseek_v3", "bloom", "modernbert", "whisper"]
 """What tests/compiler/test_sweep.py runs (one per way a layer reaches its lowering: soft-cap and windows, sinks,
-latent attention's fallback, a family's own attention, a rotary encoder); the classics have their own tests."""
+latent attention's fallback, a family's own attention, a rotary encoder, a decoder whose forward takes no position
+ids); the classics have their own tests."""
 DOCS_BEGIN, DOCS_END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
 
 
@@ -107,15 +116,17 @@ def left_out(config) -> str | None:
     return None
 
 
-def shrink(config) -> dict:
-    """The overrides that make ``config`` tiny: every size key it has, token ids inside the vocabulary, per-layer
-    lists cut to the layer count keeping one layer of each distinct kind."""
+def shrink(config, hidden: int = HIDDEN) -> dict:
+    """The overrides that make ``config`` tiny: every size key it has (the hidden size ``hidden``), token ids inside
+    the vocabulary, per-layer lists cut to the layer count keeping one layer of each distinct kind, and the sizes
+    other sizes are derived from kept consistent (a latent-attention head, a layout box, an unset top-k)."""
     present, out = config.to_dict(), {}
     heads = next((present[k] for k in HEAD_KEYS if isinstance(present.get(k), int)), None)
     for value, keys in SIZES:
         for key in keys:
             if isinstance(present.get(key), int) and not isinstance(present[key], bool):
                 out[key] = HEADS if value == KV_HEADS and present[key] == heads else value  # no grouping stays none
+                out[key] = hidden if value == HIDDEN else out[key]
     for key in ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
                 "moe_layer_start_index"):
         if isinstance(present.get(key), int) and present[key] > 1:
@@ -131,6 +142,19 @@ def shrink(config) -> dict:
         if isinstance(value, list) and len(value) != LAYERS:
             kinds = list(dict.fromkeys(value))
             out[key] = (kinds * LAYERS)[:LAYERS]
+    if isinstance(present.get("qk_nope_head_dim"), int) and isinstance(present.get("qk_rope_head_dim"), int) \
+            and "head_dim" in present:  # latent attention: a query head is its unrotated part beside its rotated one
+        out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    experts = any(isinstance(present.get(k), int) for k in EXPERTS)
+    for key in TOP_K:  # routed experts with the top-k left unset: the router cannot pick
+        if experts and key in present and present[key] is None:
+            out[key] = 2
+    for key in ("coordinate_size", "shape_size"):  # a layout box: four coordinates and two sizes make the hidden
+        if isinstance(present.get(key), int):
+            out[key] = hidden // 6
+    languages = present.get("languages")
+    if present.get("default_language", 0) is None and isinstance(languages, (list, tuple)) and languages:
+        out["default_language"] = languages[0]  # a one-language deployment: the adapter is picked by the config
     rope = present.get("rope_parameters")
     if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
         out["rope_parameters"] = dict(rope, original_max_position_embeddings=POSITIONS // 2)
@@ -140,16 +164,43 @@ def shrink(config) -> dict:
 def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     """Save a tiny random-init checkpoint of ``model_type`` at ``path``; returns (reason left out or None, kind)."""
     import torch
-    import transformers as T
-    from transformers.models.auto import configuration_auto, modeling_auto as auto
+    from transformers.models.auto import configuration_auto
 
     config_cls = configuration_auto.CONFIG_MAPPING[model_type]
     why = left_out(config_cls())
     if why:
         return why, ""
-    overrides = shrink(config_cls())
+    model, why = None, ""
+    for hidden in (HIDDEN, HIDDEN_BY_SIX):
+        model = tiny(config_cls, task, hidden)
+        if getattr(model, "main_input_name", "input_ids") != "input_ids":
+            return f"reads {model.main_input_name}, not token ids (not a text model)", ""
+        why = runs(model)
+        if why is None:
+            break
+    if why is not None:
+        return f"cannot be built tiny: the tiny model does not run in transformers ({why})", ""
+    recurrent = sorted({type(m).__name__ for m in model.modules() if any(r in type(m).__name__ for r in RECURRENT_MODULES)})
+    if recurrent:
+        return f"state-space / recurrent / hybrid layers ({', '.join(recurrent)[:80]})", ""
+    with torch.no_grad():  # random-init norms and heads are near-trivial: perturb so parity sees real values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(path)
+    kind = {"text2text-generation": "seq2seq", "causal-lm": "decoder"}.get(task, "encoder")
+    return None, kind
+
+
+def tiny(config_cls: Any, task: str, hidden: int) -> Any:
+    """The random-init model of ``config_cls`` for ``task``, shrunk (``shrink``) to hidden size ``hidden``."""
+    import torch
+    import transformers as T
+
+    overrides = shrink(config_cls(), hidden)
     if task == "text2text-generation" and getattr(config_cls(), "decoder_start_token_id", None) is None:
         overrides["decoder_start_token_id"] = 0  # generation needs one; released checkpoints set it
+    if task == "causal-lm" and present_false(config_cls(), "is_decoder"):
+        overrides["is_decoder"] = True  # as a decoder checkpoint sets it: left False, the layers attend both ways
     config = config_cls(**overrides)
     if task == "sequence-classification":
         config.num_labels = 3
@@ -159,19 +210,27 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     model_cls = {"text2text-generation": T.AutoModelForSeq2SeqLM, "feature-extraction": T.AutoModel,
                  "causal-lm": T.AutoModelForCausalLM, "sequence-classification": T.AutoModelForSequenceClassification
                  }[task]
-    model = model_cls.from_config(config).eval()
-    if getattr(model, "main_input_name", "input_ids") != "input_ids":
-        return f"reads {model.main_input_name}, not token ids (not a text model)", ""
-    recurrent = sorted({type(m).__name__ for m in model.modules() if any(r in type(m).__name__ for r in RECURRENT_MODULES)})
-    if recurrent:
-        return f"state-space / recurrent / hybrid layers ({', '.join(recurrent)[:80]})", ""
-    with torch.no_grad():  # random-init norms and heads are near-trivial: perturb so parity sees real values
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    model.save_pretrained(path)
-    kind = {"text2text-generation": "seq2seq", "causal-lm": "decoder"}.get(task, "encoder")
-    del auto
-    return None, kind
+    return model_cls.from_config(config).eval()
+
+
+def present_false(config: Any, key: str) -> bool:
+    """Whether ``config`` declares ``key`` itself (its ``to_dict``) and leaves it False."""
+    return config.to_dict().get(key, None) is False
+
+
+def runs(model: Any) -> str | None:
+    """None when ``model`` runs a forward on a small batch of token ids in transformers, else the error's first line
+    (a tiny config whose derived sizes disagree: the shrinker's failure, not the architecture's)."""
+    import torch
+
+    ids = torch.randint(3, VOCAB // 2, (2, 9), generator=torch.Generator().manual_seed(1))  # the weights' draws untouched
+    extra = {"decoder_input_ids": ids[:, :3]} if getattr(model.config, "is_encoder_decoder", False) else {}
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, **extra)
+    except Exception as e:  # noqa: BLE001 - any failure here is the tiny config's
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+    return None
 
 
 def child(model_type: str, task: str, work: Path, threads: int, int4: bool) -> dict:

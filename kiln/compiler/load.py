@@ -314,7 +314,9 @@ def read_pooling(path: Path) -> dict[str, Any] | None:
 
 
 def max_length(cfg: Any, family: Family) -> int:
-    n = next((getattr(cfg, k) for k in MAX_LENGTH_KEYS if isinstance(getattr(cfg, k, None), int)), 512)
+    # a non-positive value says the model has no limit (relative positions only): the default stands
+    n = next((getattr(cfg, k) for k in MAX_LENGTH_KEYS if isinstance(getattr(cfg, k, None), int) and getattr(cfg, k) > 0),
+             512)
     return int(n) - family.position_offset
 
 

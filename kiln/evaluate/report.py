@@ -29,6 +29,7 @@ from kiln.compiler.scoped import torch_threads
 from kiln.compiler.trace import EagerRunner
 from kiln.compiler.verify import metrics
 from kiln.compiler.verify.cases import make_feeds
+from kiln.compiler.verify.generation import greedy_config
 from kiln.errors import UsageError
 from kiln.evaluate.options import ReportOptions
 from kiln.runtimes.base import prepare_feeds
@@ -84,11 +85,9 @@ class Reference:
         key = (tuple(source), steps)
         if key not in self._seq2seq:
             mask = torch.ones(1, len(source), dtype=torch.long)
-            with torch.inference_mode():
-                out = self.ckpt.model.generate(input_ids=torch.tensor([source]), attention_mask=mask, max_new_tokens=steps,
-                                               do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
-                                               forced_bos_token_id=None, pad_token_id=pad, output_logits=True,
-                                               return_dict_in_generate=True)
+            with torch.inference_mode(), greedy_config(self.ckpt.model, steps, pad) as config:
+                out = self.ckpt.model.generate(input_ids=torch.tensor([source]), attention_mask=mask,
+                                               generation_config=config)
             self._seq2seq[key] = (out.sequences[0].numpy(), np.stack([x[0].float().numpy() for x in out.logits]))
         return self._seq2seq[key]
 
@@ -97,10 +96,10 @@ class Reference:
 
         key = (tuple(prompt), new)
         if key not in self._greedy:
-            with torch.inference_mode():
+            with torch.inference_mode(), greedy_config(self.ckpt.model, new, pad) as config:
                 out = self.ckpt.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                               max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
-            self._greedy[key] = out[0][len(prompt):].numpy()
+                                               generation_config=config)
+            self._greedy[key] = out.sequences[0][len(prompt):].numpy()
         return self._greedy[key]
 
 

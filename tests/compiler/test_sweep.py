@@ -24,6 +24,7 @@ CASES = {
     "deepseek_v3": ("kv-cache-concat", 0, "keys have 32 features and values 16"),  # latent attention
     "bloom": (None, 0, "computes attention itself"),  # ALiBi, its own attention: no cache, generation recomputes
     "modernbert": (None, 2, None),  # a rotary encoder with local attention: MultiHeadAttention with its mask
+    "whisper": ("kv-cache", 2, None),  # a forward without position_ids: the generation reference runs rows alone
 }
 
 
@@ -70,3 +71,31 @@ def test_int4_rounds_the_reference_as_the_graph_does(tmp_path, model_type):
     assert manifest["verification"]["status"] == "passed"
     int4 = next(p for p in manifest["passes"] if p["name"] == "quantize-nbits")["int4"]
     assert int4["embedding"] == INT4_CASES[model_type]
+
+
+DERIVED = {
+    # model type: (a config key the built checkpoint must hold, its value) for sizes derived from other sizes
+    "mistral4": ("head_dim", 2 * sweep.HEAD_DIM),  # latent attention: a head is its unrotated part beside its rotary one
+    "deepseek_v2": ("num_experts_per_tok", 2),  # routed experts with the top-k left unset
+    "layoutlmv3": ("coordinate_size", sweep.HIDDEN_BY_SIX // 6),  # four coordinates and two sizes make the hidden
+    "lilt": ("hidden_size", sweep.HIDDEN_BY_SIX),  # embeds a box in sixths of the hidden: the second size
+    "xmod": ("default_language", "en_XX"),  # language adapters: one picked by the config
+    "bert-generation": ("is_decoder", True),  # a causal LM attends one way
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(DERIVED))
+def test_the_shrinker_keeps_derived_sizes_consistent(tmp_path, model_type):
+    """Each of these failed its own forward in transformers when shrunk with the plain size keys (or, for the
+    decoder, attended both ways); built by the sweep, each runs, with the derived key as stated."""
+    why, _ = sweep.build(model_type, sweep.model_types()[model_type], tmp_path / "ckpt")
+    assert why is None
+    key, value = DERIVED[model_type]
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())[key] == value
+
+
+def test_a_tiny_model_that_does_not_run_is_left_out_with_the_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(sweep, "runs", lambda model: "RuntimeError: shapes disagree")
+    why, kind = sweep.build("llama", "causal-lm", tmp_path / "ckpt")
+    assert why == "cannot be built tiny: the tiny model does not run in transformers (RuntimeError: shapes disagree)"
+    assert kind == "" and not (tmp_path / "ckpt").exists()

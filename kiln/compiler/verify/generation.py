@@ -9,6 +9,7 @@ step comparison.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,16 +26,53 @@ GENERATION_STEPS = 16
 """Greedy steps the compile-time generation check runs through the KV cache."""
 
 
+@contextlib.contextmanager
+def greedy_config(model: Any, steps: int, pad_id: int) -> Iterator[Any]:
+    """Inside: ``model`` decodes plain greedy (no end-of-sequence stop) for ``steps`` tokens with the generation
+    config yielded, which is what the artifact's own ``generate`` does. The checkpoint's generation config is set
+    aside for the call, not merged: ``generate`` fills every unset field from it, and its logits processors
+    (suppressed or forced tokens, repetition penalties, banned n-grams, an end-of-sequence token that a minimum
+    length suppresses) change which token is picked, while the check compares the model's own argmax. Only the ids
+    that say where decoding starts are kept."""
+    from transformers import GenerationConfig
+
+    own = getattr(model, "generation_config", None)
+    start = {k: getattr(own, k, None) for k in ("bos_token_id", "decoder_start_token_id")}
+    plain = GenerationConfig(**{k: v for k, v in start.items() if v is not None}, pad_token_id=pad_id)
+    config = GenerationConfig(**plain.to_dict())
+    config.update(max_new_tokens=steps, do_sample=False, num_beams=1, output_logits=True,
+                  return_dict_in_generate=True)
+    model.generation_config = plain
+    try:
+        yield config
+    finally:
+        model.generation_config = own
+
+
+def places_padded_rows(model: Any) -> bool:
+    """Whether Hugging Face ``generate`` gives a left-padded row the positions it has alone: it derives position ids
+    from the attention mask only for a forward that takes ``position_ids``; any other forward numbers a padded row
+    from its first pad, which is not the model's answer for that row (the artifact's positions come from the mask)."""
+    import inspect
+
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
 def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: int, precision: str,
                       pad_id: int) -> dict[str, Any]:
     tol = TOLERANCES[precision]
     prompt = pad_rows(rows, pad_id, "left")
-    with torch.inference_mode():
-        ref = model.generate(input_ids=torch.from_numpy(prompt.ids), attention_mask=torch.from_numpy(prompt.mask),
-                             max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
-                             pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True)
-    ref_tokens = ref.sequences[:, prompt.ids.shape[1]:].numpy()
-    ref_logits = np.stack([s.float().numpy() for s in ref.logits])  # (steps, batch, vocab)
+    with torch.inference_mode(), greedy_config(model, steps, pad_id) as config:
+        if places_padded_rows(model):
+            ref = model.generate(input_ids=torch.from_numpy(prompt.ids), attention_mask=torch.from_numpy(prompt.mask),
+                                 generation_config=config)
+            ref_tokens = ref.sequences[:, prompt.ids.shape[1]:].numpy()
+            ref_logits = np.stack([s.float().numpy() for s in ref.logits])  # (steps, batch, vocab)
+        else:  # each row alone: the artifact's padded batch must still give every row its own answer
+            alone = [model.generate(input_ids=torch.tensor([r]), attention_mask=torch.ones(1, len(r), dtype=torch.long),
+                                    generation_config=config) for r in rows]
+            ref_tokens = np.concatenate([a.sequences[:, len(r):].numpy() for a, r in zip(alone, rows)])
+            ref_logits = np.stack([np.concatenate([a.logits[t].float().numpy() for a in alone]) for t in range(steps)])
 
     base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows]}
     kv = artifact.manifest.data.get("kv_cache")
@@ -65,10 +103,9 @@ def verify_seq2seq(model: Any, artifact: Any, ids: np.ndarray, mask: np.ndarray,
     """Encoder + cached decoder against ``generate``; the tokens start after the decoder start token."""
     tol = TOLERANCES[precision]
     pad = int(artifact.manifest.data["generation"]["pad_token_id"])
-    with torch.inference_mode():
-        ref = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=steps,
-                             do_sample=False, num_beams=1, eos_token_id=None, forced_eos_token_id=None,
-                             forced_bos_token_id=None, pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode(), greedy_config(model, steps, pad) as config:
+        ref = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             generation_config=config)
     ref_tokens = ref.sequences.numpy()  # (batch, 1 + steps): starts with decoder_start_token_id
     ref_logits = np.stack([x.float().numpy() for x in ref.logits])
     base = {"steps": steps, "batch": int(ids.shape[0]), "source_lengths": mask.sum(1).tolist()}
