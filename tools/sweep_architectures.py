@@ -67,7 +67,8 @@ SIZES = [  # (value, the keys that take it): a list, since values repeat
     (POSITIONS, ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
                 "seq_length")),
     (16, ("sliding_window", "attention_window", "local_attention", "window_size")),
-    (VOCAB, ("vocab_size",)),
+    (VOCAB, ("vocab_size", "vocab_size_per_layer_input")),
+    (16, ("hidden_size_per_layer_input",)),
 ]
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
              "cls_token_id", "mask_token_id", "unk_token_id")
@@ -152,6 +153,14 @@ def shrink(config, hidden: int = HIDDEN) -> dict:
     for key in ("coordinate_size", "shape_size"):  # a layout box: four coordinates and two sizes make the hidden
         if isinstance(present.get(key), int):
             out[key] = hidden // 6
+    layers, types = present.get("per_layer_config"), present.get("layer_types")
+    if isinstance(layers, dict) and layers and isinstance(types, list) and all(isinstance(v, dict) for v in layers.values()):
+        # a layer's own sizes (a wider head in the global layers): scaled as the base sizes were, and given to the
+        # kept layers of the same kind
+        kinds = {types[int(i)]: {k: scaled(k, v, present, out) for k, v in sizes.items()} for i, sizes in layers.items()
+                 if str(i).isdigit() and int(i) < len(types)}
+        kept = out.get("layer_types", types)
+        out["per_layer_config"] = {str(j): kinds[t] for j, t in enumerate(kept) if t in kinds}
     languages = present.get("languages")
     if present.get("default_language", 0) is None and isinstance(languages, (list, tuple)) and languages:
         out["default_language"] = languages[0]  # a one-language deployment: the adapter is picked by the config
@@ -159,6 +168,14 @@ def shrink(config, hidden: int = HIDDEN) -> dict:
     if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
         out["rope_parameters"] = dict(rope, original_max_position_embeddings=POSITIONS // 2)
     return out
+
+
+def scaled(key: str, value: Any, present: dict, out: dict) -> Any:
+    """A per-layer override ``value`` of size ``key``, scaled by the ratio the base size was shrunk by."""
+    base, small = present.get(key), out.get(key)
+    if isinstance(value, int) and isinstance(base, int) and isinstance(small, int) and base > 0:
+        return max(1, value * small // base)
+    return value
 
 
 def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:

@@ -388,10 +388,17 @@ class QuantizeBlockwise(Pass):
         embeds = []  # (Gather, its GatherBlockQuantized): the table quantized now and dropped, as the weights are
         if self.embedding_bits and self.form == "matmulnbits":
             for node in tables.values():
+                rows, cols = self._table_shape(g, node.input[0])
                 if node.input[0] in shared and not plans[shared[node.input[0]]][1].rest:
                     embeds.append((node, self._shared_rows(g, node, plans[shared[node.input[0]]][1]), (), "int8"))
                     stats["embedding_shared"] = 1
+                    stats.setdefault("embedding_tables", []).append([node.input[0], rows, cols])
                     continue
+                if cols % self.head_block_size:  # the gathered rows would come back padded to whole blocks
+                    skipped.append(Reason(node.name or node.input[0], f"embedding table of {cols} columns is not a "
+                                          f"multiple of the {self.head_block_size}-wide block: it stays FP32"))
+                    continue
+                stats.setdefault("embedding_tables", []).append([node.input[0], rows, cols])
                 q = rtn(g.constant(node.input[0]).T, self.embedding_bits, self.head_block_size, "signed")
                 data = maybe_spill(numpy_helper.from_array(pack(q.codes, q.bits).reshape(q.codes.shape[0], -1),
                                                            g.fresh(f"{node.input[0]}_q{q.bits}")))
@@ -531,6 +538,13 @@ class QuantizeBlockwise(Pass):
             if ok:
                 out[node.input[0]] = node
         return out
+
+    @staticmethod
+    def _table_shape(g: Graph, name: str) -> tuple[int, int]:
+        """(rows, columns) of an embedding table, from its initializer's dims (not read) or its constant."""
+        init = g.initializers.get(name)
+        rows, cols = (init.dims[0], init.dims[1]) if init is not None else g.constant(name).shape
+        return int(rows), int(cols)
 
     @staticmethod
     def _ids_source(g: Graph, value: str) -> str:

@@ -261,3 +261,33 @@ def test_int4_budget_promotes_the_most_sensitive_weights(tiny_llama, tmp_path, k
     assert m["verification"]["status"] == "passed"
     report = json.loads((out / "report.json").read_text())
     assert report["codes"]["passed"]
+
+
+def test_the_reference_rounds_each_table_the_pass_quantized():
+    """``rounded_tables``: a table named by the pass is found by its parameter name (the traced wrapper's ``model.``
+    dropped), a renamed one (the exporter renames a tied table) by its shape, a table the pass left FP32 is not
+    rounded, and before the pass it is the token embedding."""
+    import types
+
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(40, 32)
+            self.per_layer = torch.nn.Embedding(40, 48)
+            self.positions = torch.nn.Embedding(16, 32)
+
+        def get_input_embeddings(self):
+            return self.embed_tokens
+
+    model = Tiny()
+
+    def tables(recorded):
+        return QuantDriver.rounded_tables(types.SimpleNamespace(embedding_tables=recorded), model)
+
+    assert tables(None) == [model.embed_tokens]
+    assert tables([]) == []
+    assert tables([["model.per_layer.weight", 40, 48]]) == [model.per_layer]
+    assert tables([["val_2417", 40, 32], ["model.per_layer.weight", 40, 48]]) == [model.embed_tokens, model.per_layer]
+    assert tables([["val_7", 40, 64]]) == []  # nothing of that shape: nothing rounded, never a guess

@@ -423,3 +423,28 @@ def test_bits_per_weight_counts_codes_scales_and_zero_points(bits, block, grid, 
     x, y_t = rng.standard_normal((1, 3, 256)).astype(np.float32), rng.standard_normal((1, 48, 3)).astype(np.float32)
     want = np.maximum(x @ rtn(small, bits, block, grid).dequantize(), 0) @ y_t
     np.testing.assert_allclose(run_unoptimised(out, {"x": x, "y_t": y_t})[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_table_not_a_whole_number_of_blocks_wide_stays_fp32_and_the_stats_name_each_quantized_table():
+    """Two tables read at the ids (a token embedding and a per-layer embedding beside it, as Gemma 3n / 4 have):
+    each one a whole number of blocks wide is quantized and named in the stats (the fake-quantized reference rounds
+    exactly those); one that is not stays FP32 with the reason, since its gathered rows would come back padded to
+    whole blocks (a Reshape after it failed at run time before)."""
+    rng = np.random.default_rng(3)
+    e, p = rng.standard_normal((40, 32)).astype(np.float32), rng.standard_normal((40, 48)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("Gather", ["P", "ids"], ["q"])],
+                          "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "S"])],
+                          [helper.make_tensor_value_info("h", TensorProto.FLOAT, ["B", "S", 32]),
+                           helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", "S", 48])],
+                          [numpy_helper.from_array(e, "E"), numpy_helper.from_array(p, "P")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    out, record = run_passes(model, [QuantizeBlockwise(bits=4, block_size=16, embedding_bits=8, head_block_size=32,
+                                                       accuracy_level=0)])
+    stats = record[0]["stats"]
+    assert stats["embedding_tables"] == [["E", 40, 32]]
+    assert any("48 columns" in s["why"] for s in record[0]["skipped"])
+    ids = np.array([[0, 5, 38]], np.int64)
+    h, q = run_unoptimised(out, {"ids": ids})
+    np.testing.assert_allclose(h, rtn(e.T, 8, 32).dequantize().T[ids], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(q, p[ids])

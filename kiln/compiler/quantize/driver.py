@@ -78,10 +78,11 @@ class QuantDriver:
         """INT4: keys of the weights the pass quantized (MatMul weights before it, minus those still FP32 after):
         ``fake_quantized`` rounds the ones a model holds outside its Linears (stacked experts read one matrix at a
         time) by them."""
-        self.embedding_quantized: bool | None = None
-        """INT4: whether the pass found the token-embedding lookup and quantized its table (a lookup it does not
-        recognise stays FP32): ``fake_quantized`` and ``codes_transform`` round the table only when it did (None,
-        before the pass ran: as the precision's rules say)."""
+        self.embedding_tables: list[list[Any]] | None = None
+        """INT4: the tables the pass quantized, ``[name, rows, columns]`` each (every table read at the token ids it
+        recognised: the token embedding, a per-layer embedding beside it; a lookup it does not recognise, or a table
+        not a whole number of blocks wide, stays FP32): ``fake_quantized`` and ``codes_transform`` round exactly
+        these (``rounded_tables``). None before the pass ran: the token embedding, as the precision's rules say."""
         self.named: dict[str, Any] = {}
         """The solver's codes by module name (``kiln export-gptq`` writes them)."""
         self._solved: dict[str, str] = {}
@@ -242,7 +243,7 @@ class QuantDriver:
             record[0]["int4"] = self.int4_settings(record[0]["stats"])
             self.fp32_columns = fp32_weight_columns(out)
             self.quantized_columns = before - self.fp32_columns
-            self.embedding_quantized = bool(record[0]["stats"].get("embedding"))
+            self.embedding_tables = list(record[0]["stats"].get("embedding_tables") or [])
         return out, record
 
     def _check_imported(self, stats: dict[str, Any]) -> None:
@@ -339,12 +340,29 @@ class QuantDriver:
                 if not solved:  # else the model already holds what the solver's head codes dequantize to
                     w = rtn(head_kn, head, block, grid).dequantize() if head else head_kn
                     out_emb.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
-            if rules.embedding_bits and rules.form == "matmulnbits" and self.embedding_quantized is not False:
-                e = in_emb.weight.detach().numpy()
-                in_emb.weight.copy_(torch.from_numpy(
+            for table in self.rounded_tables(model) if rules.embedding_bits and rules.form == "matmulnbits" else []:
+                e = table.weight.detach().numpy()
+                table.weight.copy_(torch.from_numpy(
                     rtn(e.T, rules.embedding_bits, rules.head_block_size, "signed").dequantize().T.copy()))
         self._fake = None
         return model
+
+    def rounded_tables(self, model: Any) -> list[Any]:
+        """The embedding modules of ``model`` whose tables the artifact reads quantized: each table the pass
+        quantized, found by its parameter name (the traced wrapper's ``model.`` prefix dropped) or, for a table the
+        exporter renamed (a tied one), the embedding module of its shape; before the pass, the token embedding."""
+        import torch
+
+        if self.embedding_tables is None:
+            return [model.get_input_embeddings()]
+        named = {f"{n}.weight": m for n, m in model.named_modules(remove_duplicate=False)
+                 if isinstance(m, torch.nn.Embedding)}
+        out: list[Any] = []
+        for name, rows, cols in self.embedding_tables:
+            key = next((k for k in (name, name.removeprefix("model.")) if k in named), None)
+            found = [named[key]] if key else [m for m in named.values() if tuple(m.weight.shape) == (rows, cols)]
+            out += [m for m in found if tuple(m.weight.shape) == (rows, cols) and all(m is not o for o in out)]
+        return out
 
     def _round_stacked(self, model: Any, rules: Any, tier: Callable[[np.ndarray], int | None]) -> None:
         """Round-to-nearest, in place, the matrices of ``model``'s parameters outside its Linears that the graph
@@ -389,7 +407,8 @@ class QuantDriver:
         out_emb = shell.get_output_embeddings() if hasattr(shell, "get_output_embeddings") else None
         params = [n for n, _ in shell.named_parameters(remove_duplicate=False) if n.endswith(".weight")]
         heads = {n for n in params if out_emb is not None and shell.get_submodule(n[:-7]) is out_emb}
-        tables = {n for n in params if shell.get_submodule(n[:-7]) is shell.get_input_embeddings()}
+        rounded = self.rounded_tables(shell)
+        tables = {n for n in params if any(shell.get_submodule(n[:-7]) is t for t in rounded)}
 
         solved = self._solved
 
@@ -408,7 +427,7 @@ class QuantDriver:
                     return value
                 deq = rtn(value.numpy().T, rules.head_bits, rules.head_block_size, rules.grid).dequantize()
                 return torch.from_numpy(np.ascontiguousarray(deq.T))
-            if name in tables and rules.embedding_bits and rules.form == "matmulnbits" and self.embedding_quantized is not False:
+            if name in tables and rules.embedding_bits and rules.form == "matmulnbits":
                 deq = rtn(value.numpy().T, rules.embedding_bits, rules.head_block_size, "signed").dequantize()
                 return torch.from_numpy(np.ascontiguousarray(deq.T))
             return value
