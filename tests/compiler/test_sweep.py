@@ -81,13 +81,15 @@ DERIVED = {
     "lilt": ("hidden_size", sweep.HIDDEN_BY_SIX),  # embeds a box in sixths of the hidden: the second size
     "xmod": ("default_language", "en_XX"),  # language adapters: one picked by the config
     "bert-generation": ("is_decoder", True),  # a causal LM attends one way
+    "gemma4_text": ("per_layer_config", {"1": {"head_dim": 2 * sweep.HEAD_DIM}}),  # the global layer's wider head
 }
 
 
 @pytest.mark.parametrize("model_type", sorted(DERIVED))
 def test_the_shrinker_keeps_derived_sizes_consistent(tmp_path, model_type):
     """Each of these failed its own forward in transformers when shrunk with the plain size keys (or, for the
-    decoder, attended both ways); built by the sweep, each runs, with the derived key as stated."""
+    decoder, attended both ways; or kept a 262k-row per-layer table and a 512-wide head); built by the sweep, each
+    runs, with the derived key as stated."""
     why, _ = sweep.build(model_type, sweep.model_types()[model_type], tmp_path / "ckpt")
     assert why is None
     key, value = DERIVED[model_type]
