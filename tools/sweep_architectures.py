@@ -46,6 +46,9 @@ HIDDEN_BY_SIX = 96
 """The hidden size of a second try, for the models whose tiny config does not run at ``HIDDEN``: one that splits
 into six equal parts (layout models embed a box's four coordinates and two sizes in sixths of the hidden)."""
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, POSITIONS = 64, 2, 4, 2, 16, 128, 512, 128
+TRIES = ((HIDDEN, False), (HIDDEN, True), (HIDDEN_BY_SIX, True))
+"""(hidden size, latent head as the sum of its parts) for each try at a tiny model that runs: latent-attention
+configs name a whole head ``head_dim`` in some families and the rotary part in others."""
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
              "decoder_attention_heads", "num_decoder_attention_heads")
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
@@ -117,7 +120,7 @@ def left_out(config) -> str | None:
     return None
 
 
-def shrink(config, hidden: int = HIDDEN) -> dict:
+def shrink(config, hidden: int = HIDDEN, latent: bool = False) -> dict:
     """The overrides that make ``config`` tiny: every size key it has (the hidden size ``hidden``), token ids inside
     the vocabulary, per-layer lists cut to the layer count keeping one layer of each distinct kind, and the sizes
     other sizes are derived from kept consistent (a latent-attention head, a layout box, an unset top-k)."""
@@ -143,8 +146,8 @@ def shrink(config, hidden: int = HIDDEN) -> dict:
         if isinstance(value, list) and len(value) != LAYERS:
             kinds = list(dict.fromkeys(value))
             out[key] = (kinds * LAYERS)[:LAYERS]
-    if isinstance(present.get("qk_nope_head_dim"), int) and isinstance(present.get("qk_rope_head_dim"), int) \
-            and "head_dim" in present:  # latent attention: a query head is its unrotated part beside its rotated one
+    if latent and isinstance(present.get("qk_nope_head_dim"), int) and isinstance(present.get("qk_rope_head_dim"), int) \
+            and "head_dim" in present:  # latent attention whose head_dim is a whole head: unrotated part + rotated one
         out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     experts = any(isinstance(present.get(k), int) for k in EXPERTS)
     for key in TOP_K:  # routed experts with the top-k left unset: the router cannot pick
@@ -188,8 +191,8 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     if why:
         return why, ""
     model, why = None, ""
-    for hidden in (HIDDEN, HIDDEN_BY_SIX):
-        model = tiny(config_cls, task, hidden)
+    for hidden, latent in TRIES:
+        model = tiny(config_cls, task, hidden, latent)
         if getattr(model, "main_input_name", "input_ids") != "input_ids":
             return f"reads {model.main_input_name}, not token ids (not a text model)", ""
         why = runs(model)
@@ -197,6 +200,9 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
             break
     if why is not None:
         return f"cannot be built tiny: the tiny model does not run in transformers ({why})", ""
+    if task == "causal-lm" and present_false(config_cls(), "is_decoder") and not causal(model):
+        # a decoder checkpoint sets it: left False, the layers attend both ways and the model is no causal LM
+        model = tiny(config_cls, task, hidden, latent, is_decoder=True)
     recurrent = sorted({type(m).__name__ for m in model.modules() if any(r in type(m).__name__ for r in RECURRENT_MODULES)})
     if recurrent:
         return f"state-space / recurrent / hybrid layers ({', '.join(recurrent)[:80]})", ""
@@ -208,16 +214,15 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     return None, kind
 
 
-def tiny(config_cls: Any, task: str, hidden: int) -> Any:
-    """The random-init model of ``config_cls`` for ``task``, shrunk (``shrink``) to hidden size ``hidden``."""
+def tiny(config_cls: Any, task: str, hidden: int, latent: bool, **fixed: Any) -> Any:
+    """The random-init model of ``config_cls`` for ``task``, shrunk (``shrink``) to hidden size ``hidden`` (a latent
+    head the sum of its parts when ``latent``), with the settings ``fixed``."""
     import torch
     import transformers as T
 
-    overrides = shrink(config_cls(), hidden)
+    overrides = shrink(config_cls(), hidden, latent) | fixed
     if task == "text2text-generation" and getattr(config_cls(), "decoder_start_token_id", None) is None:
         overrides["decoder_start_token_id"] = 0  # generation needs one; released checkpoints set it
-    if task == "causal-lm" and present_false(config_cls(), "is_decoder"):
-        overrides["is_decoder"] = True  # as a decoder checkpoint sets it: left False, the layers attend both ways
     config = config_cls(**overrides)
     if task == "sequence-classification":
         config.num_labels = 3
@@ -233,6 +238,19 @@ def tiny(config_cls: Any, task: str, hidden: int) -> Any:
 def present_false(config: Any, key: str) -> bool:
     """Whether ``config`` declares ``key`` itself (its ``to_dict``) and leaves it False."""
     return config.to_dict().get(key, None) is False
+
+
+def causal(model: Any) -> bool:
+    """Whether ``model``'s output at a position is blind to the tokens after it (a changed last token leaves every
+    earlier position's output as it was)."""
+    import torch
+
+    ids = torch.randint(3, VOCAB // 2, (1, 9), generator=torch.Generator().manual_seed(2))
+    other = ids.clone()
+    other[0, -1] = (other[0, -1] + 1) % (VOCAB // 2) + 3
+    with torch.no_grad():
+        a, b = (model(input_ids=x).logits[:, :-1] for x in (ids, other))
+    return bool(torch.allclose(a, b, atol=1e-5))
 
 
 def runs(model: Any) -> str | None:
