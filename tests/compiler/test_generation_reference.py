@@ -60,3 +60,12 @@ def test_a_config_without_a_length_limit_takes_the_default():
     assert max_length(no_limit, Family("decoder")) == 512
     assert max_length(SimpleNamespace(max_position_embeddings=-1, n_positions=256), Family("decoder")) == 256
     assert max_length(SimpleNamespace(max_position_embeddings=130), Family("encoder", position_offset=2)) == 128
+
+
+def test_a_generation_failure_against_rows_alone_says_why():
+    from kiln.compiler.verify.parity import failures
+
+    gen = {"passed": False, "wrong_tokens": [], "max_abs_over_atol": 8.7e3, "cosine_min": 0.2, "tokens_identical": True}
+    assert "position_ids" not in failures({"generation": gen | {"reference": "batch"}, "cases": []})[0]
+    said = failures({"generation": gen | {"reference": "rows alone"}, "cases": []})[0]
+    assert "takes no position_ids" in said and "not supported yet" in said

@@ -74,7 +74,8 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
             ref_tokens = np.concatenate([a.sequences[:, len(r):].numpy() for a, r in zip(alone, rows)])
             ref_logits = np.stack([np.concatenate([a.logits[t].float().numpy() for a in alone]) for t in range(steps)])
 
-    base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows]}
+    base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows],
+            "reference": "batch" if places_padded_rows(model) else "rows alone"}
     kv = artifact.manifest.data.get("kv_cache")
     base["through"] = "kv cache" if kv else "recompute (no KV cache)"
 
