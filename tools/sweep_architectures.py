@@ -51,10 +51,11 @@ TRIES = ((HIDDEN, False), (HIDDEN, True), (HIDDEN_BY_SIX, True))
 configs name a whole head ``head_dim`` in some families and the rotary part in others."""
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
              "decoder_attention_heads", "num_decoder_attention_heads")
+HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim", "word_embed_proj_dim")
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 SIZES = [  # (value, the keys that take it): a list, since values repeat
-    (HIDDEN, ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim", "word_embed_proj_dim")),
+    (HIDDEN, HIDDEN_KEYS),
     (LAYERS, ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
              "num_decoder_layers", "num_encoder_layers")),
     (HEADS, HEAD_KEYS),
@@ -129,8 +130,8 @@ def shrink(config, hidden: int = HIDDEN, latent: bool = False) -> dict:
     for value, keys in SIZES:
         for key in keys:
             if isinstance(present.get(key), int) and not isinstance(present[key], bool):
-                out[key] = HEADS if value == KV_HEADS and present[key] == heads else value  # no grouping stays none
-                out[key] = hidden if value == HIDDEN else out[key]
+                size = hidden if keys is HIDDEN_KEYS else value
+                out[key] = HEADS if value == KV_HEADS and present[key] == heads else size  # no grouping stays none
     for key in ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
                 "moe_layer_start_index"):
         if isinstance(present.get(key), int) and present[key] > 1:
@@ -200,7 +201,7 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
             break
     if why is not None:
         return f"cannot be built tiny: the tiny model does not run in transformers ({why})", ""
-    if task == "causal-lm" and present_false(config_cls(), "is_decoder") and not causal(model):
+    if task == "causal-lm" and config_cls().to_dict().get("is_decoder") is False and not causal(model):
         # a decoder checkpoint sets it: left False, the layers attend both ways and the model is no causal LM
         model = tiny(config_cls, task, hidden, latent, is_decoder=True)
     recurrent = sorted({type(m).__name__ for m in model.modules() if any(r in type(m).__name__ for r in RECURRENT_MODULES)})
@@ -233,11 +234,6 @@ def tiny(config_cls: Any, task: str, hidden: int, latent: bool, **fixed: Any) ->
                  "causal-lm": T.AutoModelForCausalLM, "sequence-classification": T.AutoModelForSequenceClassification
                  }[task]
     return model_cls.from_config(config).eval()
-
-
-def present_false(config: Any, key: str) -> bool:
-    """Whether ``config`` declares ``key`` itself (its ``to_dict``) and leaves it False."""
-    return config.to_dict().get(key, None) is False
 
 
 def causal(model: Any) -> bool:

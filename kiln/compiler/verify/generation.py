@@ -37,12 +37,10 @@ def greedy_config(model: Any, steps: int, pad_id: int) -> Iterator[Any]:
     from transformers import GenerationConfig
 
     own = getattr(model, "generation_config", None)
-    start = {k: getattr(own, k, None) for k in ("bos_token_id", "decoder_start_token_id")}
-    plain = GenerationConfig(**{k: v for k, v in start.items() if v is not None}, pad_token_id=pad_id)
-    config = GenerationConfig(**plain.to_dict())
-    config.update(max_new_tokens=steps, do_sample=False, num_beams=1, output_logits=True,
-                  return_dict_in_generate=True)
-    model.generation_config = plain
+    start = {k: getattr(own, k) for k in ("bos_token_id", "decoder_start_token_id") if getattr(own, k, None) is not None}
+    config = GenerationConfig(**start, pad_token_id=pad_id, max_new_tokens=steps, do_sample=False, num_beams=1,
+                              output_logits=True, return_dict_in_generate=True)
+    model.generation_config = GenerationConfig(**start, pad_token_id=pad_id)
     try:
         yield config
     finally:
@@ -62,8 +60,9 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
                       pad_id: int) -> dict[str, Any]:
     tol = TOLERANCES[precision]
     prompt = pad_rows(rows, pad_id, "left")
+    batched = places_padded_rows(model)
     with torch.inference_mode(), greedy_config(model, steps, pad_id) as config:
-        if places_padded_rows(model):
+        if batched:
             ref = model.generate(input_ids=torch.from_numpy(prompt.ids), attention_mask=torch.from_numpy(prompt.mask),
                                  generation_config=config)
             ref_tokens = ref.sequences[:, prompt.ids.shape[1]:].numpy()
@@ -75,7 +74,7 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
             ref_logits = np.stack([np.concatenate([a.logits[t].float().numpy() for a in alone]) for t in range(steps)])
 
     base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows],
-            "reference": "batch" if places_padded_rows(model) else "rows alone"}
+            "reference": "batch" if batched else "rows alone"}
     kv = artifact.manifest.data.get("kv_cache")
     base["through"] = "kv cache" if kv else "recompute (no KV cache)"
 

@@ -274,12 +274,13 @@ def failures(report: dict[str, Any]) -> list[str]:
     if gen and not gen["passed"] and "error" in gen:
         out.append(f"greedy generation through the KV cache failed to run: {gen['error']}")
     elif gen and not gen["passed"]:
+        why = ("; the reference ran each prompt alone because the model's forward takes no position_ids, so a "
+               "left-padded row the model numbers from its first pad fails here (kiln decodes left-padded batches; "
+               "such a model is not supported yet: report it with the checkpoint's config.json)"
+               if gen.get("reference") == "rows alone" else "")
         out.append(f"greedy generation: {len(gen['wrong_tokens'])} wrong decisive token(s) (first {gen['wrong_tokens'][:1]}), "
                    f"step logits at {gen['max_abs_over_atol']:.3g}x the tolerance, cosine min {gen['cosine_min']:.4f}, "
-                   f"tokens identical {gen['tokens_identical']}"
-                   + ("; the reference ran each prompt alone because the model's forward takes no position_ids, so "
-                      "a left-padded row the model numbers from its first pad fails here (kiln decodes left-padded "
-                      "batches; such a model is not supported yet: report it with the checkpoint's config.json)" if gen.get("reference") == "rows alone" else ""))
+                   f"tokens identical {gen['tokens_identical']}{why}")
     for name in report.get("uncompared_outputs", []):
         out.append(f"output {name}: no case compared a single real-token row")
     for name, p in report.get("random_top1", {}).items():
