@@ -52,6 +52,7 @@ configs name a whole head ``head_dim`` in some families and the rotary part in o
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
              "decoder_attention_heads", "num_decoder_attention_heads")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim", "word_embed_proj_dim")
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 SIZES = [  # (value, the keys that take it): a list, since values repeat
@@ -59,7 +60,7 @@ SIZES = [  # (value, the keys that take it): a list, since values repeat
     (LAYERS, ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
              "num_decoder_layers", "num_encoder_layers")),
     (HEADS, HEAD_KEYS),
-    (KV_HEADS, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")),
+    (KV_HEADS, KV_HEAD_KEYS),
     (HEAD_DIM, ("head_dim", "d_kv", "kv_channels", "attention_head_dim", "v_head_dim", "qk_nope_head_dim",
                "qk_rope_head_dim", "rotary_dim")),
     (FFN, ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "hidden_dim",
@@ -131,7 +132,7 @@ def shrink(config, hidden: int = HIDDEN, latent: bool = False) -> dict:
         for key in keys:
             if isinstance(present.get(key), int) and not isinstance(present[key], bool):
                 size = hidden if keys is HIDDEN_KEYS else value
-                out[key] = HEADS if value == KV_HEADS and present[key] == heads else size  # no grouping stays none
+                out[key] = HEADS if keys is KV_HEAD_KEYS and present[key] == heads else size  # no grouping stays none
     for key in ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
                 "moe_layer_start_index"):
         if isinstance(present.get(key), int) and present[key] > 1:

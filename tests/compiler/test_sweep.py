@@ -101,3 +101,16 @@ def test_a_tiny_model_that_does_not_run_is_left_out_with_the_error(monkeypatch, 
     why, kind = sweep.build("llama", "causal-lm", tmp_path / "ckpt")
     assert why == "cannot be built tiny: the tiny model does not run in transformers (RuntimeError: shapes disagree)"
     assert kind == "" and not (tmp_path / "ckpt").exists()
+
+
+def test_the_shrinker_keeps_the_layer_and_top_k_counts_when_heads_match_them():
+    """A config with as many layers (and experts per token) as heads shrinks to ``LAYERS`` layers and top-k 2, and
+    only the key-value heads follow the heads (no grouping stays none); a grouped config keeps its grouping."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    ungrouped = sweep.shrink(LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32))
+    assert (ungrouped["num_hidden_layers"], ungrouped["num_key_value_heads"]) == (sweep.LAYERS, sweep.HEADS)
+    grouped = sweep.shrink(Qwen3MoeConfig(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                                          num_experts_per_tok=8))
+    assert (grouped["num_hidden_layers"], grouped["num_key_value_heads"]) == (sweep.LAYERS, sweep.KV_HEADS)
+    assert grouped["num_experts_per_tok"] == 2

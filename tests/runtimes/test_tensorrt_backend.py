@@ -199,8 +199,15 @@ def test_engine_calls_from_two_threads_each_run_in_the_context(trt_llama):
     prompts = [[5, 9, 17, 3, 44], [7, 2]]
     with kr.load(trt_llama) as cpu:
         want = cpu.generate(prompts, max_new_tokens=6, stop_token_ids=[])
+    both = threading.Barrier(2, timeout=60)  # each of the two threads takes a call: neither can run all four
+
+    def call(i: int) -> np.ndarray:
+        if i < 2:
+            both.wait()
+        return model.generate(prompts, max_new_tokens=6, stop_token_ids=[])
+
     with ThreadPoolExecutor(2) as pool:
-        outs = list(pool.map(lambda _: model.generate(prompts, max_new_tokens=6, stop_token_ids=[]), range(4)))
+        outs = list(pool.map(call, range(4)))
     for got in outs:
         np.testing.assert_array_equal(got, want)
     assert not cuda.without_context and len(cuda.with_context) == 2
