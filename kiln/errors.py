@@ -39,6 +39,17 @@ class ArtifactError(KilnError):
     """An artifact directory is missing, incomplete, tampered with or of an unknown schema."""
 
 
+class GraphRunError(ArtifactError):
+    """ONNX Runtime failed inside a graph that loaded and took its feeds: a node met a shape it cannot take."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+        """ONNX Runtime's own words, one line."""
+        self.at: str | None = None
+        """The verification case that ran into it (set by the compiler's verification)."""
+
+
 class InputError(KilnError):
     """Feeds given to a runtime do not match the artifact's inputs."""
 

@@ -49,22 +49,44 @@ class CacheRunner:
 class RecomputeRunner:
     """Steps a decoder compiled without a KV cache (its attention runs as traced, and the manifest's ``attention``
     section says why): every step runs the whole sequence so far and returns the new positions' logits. Correct,
-    and slower than a cache by the length of the sequence."""
+    and slower than a cache by the length of the sequence.
+
+    The graph sees each row's real tokens from position 0 with the padding after them (the caller's left-padded
+    layout is mapped in and the logits mapped back): a forward that numbers positions from the start of the
+    sequence (one that takes no ``position_ids``) would number a left-padded row from its first pad; with the pads
+    after the real tokens every row has the positions it has alone, and a causal model never attends to them."""
 
     def __init__(self, runtime: "Runtime", batch: int, logits_to_keep: str | None = None) -> None:
         self.runtime = runtime
-        self.ids: np.ndarray | None = None
-        self.fixed = {logits_to_keep: np.array(1, np.int64)} if logits_to_keep else {}
+        self.rows: list[np.ndarray] | None = None  # each row's real tokens so far
+        self.keep = logits_to_keep
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """Feed the new tokens (batch, new) and the mask over all tokens so far; return (batch, new, vocab), or
-        (batch, 1, vocab) for the last position where the graph takes ``logits_to_keep``."""
-        self.ids = input_ids if self.ids is None else np.concatenate([self.ids, input_ids], 1)
-        out = self.runtime.run({"input_ids": self.ids, "attention_mask": attention_mask, **self.fixed})
-        return out["logits"][:, -input_ids.shape[1]:]
+        (batch, 1, vocab) for each row's last real token where the graph takes ``logits_to_keep``."""
+        new = input_ids.shape[1]
+        real = attention_mask[:, -new:].astype(bool)
+        fresh = [ids[m] for ids, m in zip(input_ids, real)]
+        self.rows = fresh if self.rows is None else [np.concatenate([r, f]) for r, f in zip(self.rows, fresh)]
+        lengths = np.array([len(r) for r in self.rows], np.int64)
+        width = max(int(lengths.max()), 1)
+        ids = np.zeros((len(self.rows), width), np.int64)
+        for i, r in enumerate(self.rows):
+            ids[i, :len(r)] = r
+        feeds = {"input_ids": ids, "attention_mask": (np.arange(width) < lengths[:, None]).astype(np.int64)}
+        last = np.maximum(lengths - 1, 0)
+        rows = np.arange(len(self.rows))
+        if self.keep:  # the head runs for the last k positions: enough to reach the shortest row's last token
+            keep = width - int(last.min())
+            logits = self.runtime.run({**feeds, self.keep: np.array(keep, np.int64)})["logits"]
+            return logits[rows, last - (width - keep)][:, None]
+        logits = self.runtime.run(feeds)["logits"]
+        # the caller's column j holds the row's real token number cumsum(mask)[j] - 1 (pad columns: clamped)
+        index = np.maximum(np.cumsum(attention_mask, 1)[:, -new:] - 1, 0)
+        return logits[rows[:, None], index]
 
     def close(self) -> None:
-        self.ids = None
+        self.rows = None
 
 
 class Seq2SeqRunner(CacheRunner):

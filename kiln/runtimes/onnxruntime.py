@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from pathlib import Path
 from collections.abc import Mapping, Sequence
@@ -10,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from kiln.errors import ArtifactError, ClosedError
+from kiln.errors import ArtifactError, ClosedError, GraphRunError
 from kiln.runtimes.artifact import Manifest, cache_shape
 from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner
 
@@ -320,7 +321,11 @@ def _run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
         raise _failure(e) from e
 
 
-def _failure(e: Exception) -> ArtifactError:
-    detail = " ".join(str(e).split())[:300]
-    return ArtifactError(f"ONNX Runtime failed running the artifact's graph ({detail}); the artifact is broken: "
-                         "recompile it, and report it if it persists")
+SOURCE_LINE = re.compile(r"\S+\.(?:h|cc|cpp):\d+ .*?\)(?: [^.]*? was false\.)? ")
+"""The C++ file, line, function and failed condition ONNX Runtime puts before its message in a status."""
+
+
+def _failure(e: Exception) -> GraphRunError:
+    detail = SOURCE_LINE.sub("", " ".join(str(e).split()), count=1)[:300]
+    return GraphRunError(f"ONNX Runtime failed running the artifact's graph ({detail}); the artifact is broken: "
+                         "recompile it, and report it if it persists", detail)

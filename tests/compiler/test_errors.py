@@ -149,6 +149,34 @@ def test_parity_failure_fails_compile_without_artifact(capsys, tmp_path, good_ck
     assert json.loads(open(report).read())["passed"] is False
 
 
+ORT_BROADCAST = ("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Add node. "
+                 "Name:'node_add_3447' Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/math/"
+                 "element_wise_ops.h:563 void onnxruntime::BroadcastIterator::Init(ptrdiff_t, ptrdiff_t) axis == 1 || "
+                 "axis == largest was false. Attempting to broadcast an axis by a dimension other than 1. 8 by 32")
+"""ONNX Runtime's words when a graph holds a size of its traced example (a tiny DeepSeek-V4, traced at 8 tokens)."""
+
+
+def test_a_graph_that_fails_on_a_verification_shape_names_the_case(capsys, tmp_path, good_ckpt, monkeypatch):
+    """ONNX Runtime failing inside the compiled graph on one of verification's shapes is a failed compile (exit 1, no
+    artifact) that names the case, its shape and ONNX Runtime's own words without its C++ source line, and says what
+    to do; not "the artifact is broken: recompile it", which is a loaded artifact's advice."""
+    import onnxruntime as ort
+
+    real = ort.InferenceSession.run
+
+    def held(self, names, feeds, *args, **kwargs):
+        ids = feeds.get("input_ids")
+        if ids is not None and ids.shape[0] == 2:
+            raise RuntimeError(ORT_BROADCAST)
+        return real(self, names, feeds, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "run", held)
+    line = assert_fails(capsys, tmp_path, [str(good_ckpt)], 1, str(good_ckpt), "fails on verification case random 2x",
+                        "(input_ids 2x", "Status Message: Attempting to broadcast an axis by a dimension other than "
+                        "1. 8 by 32", "--disable-pass", "config.json")
+    assert "onnxruntime_src" not in line and "recompile" not in line
+
+
 def test_success_prints_parity_table(capsys, tmp_path, good_ckpt):
     out = tmp_path / "out"
     rc, stdout, err = run_cli(capsys, "compile", str(good_ckpt), "-o", str(out), "--threads", "2")

@@ -25,6 +25,7 @@ CASES = {
     "bloom": (None, 0, "computes attention itself"),  # ALiBi, its own attention: no cache, generation recomputes
     "modernbert": (None, 2, None),  # a rotary encoder with local attention: MultiHeadAttention with its mask
     "whisper": ("kv-cache", 2, None),  # a forward without position_ids: the generation reference runs rows alone
+    "trocr": (None, 0, "computes attention itself"),  # no position_ids and no cache: recompute aligns rows at 0
 }
 
 
@@ -114,3 +115,23 @@ def test_the_shrinker_keeps_the_layer_and_top_k_counts_when_heads_match_them():
                                           num_experts_per_tok=8))
     assert (grouped["num_hidden_layers"], grouped["num_key_value_heads"]) == (sweep.LAYERS, sweep.KV_HEADS)
     assert grouped["num_experts_per_tok"] == 2
+
+
+def test_a_model_whose_generate_feeds_more_than_tokens_is_named(tmp_path):
+    """XLNet's generate appends a dummy token and feeds a permutation mask and target mapping: the plain forward's
+    last logits are not its next token, and the failure says so instead of blaming padding."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.compiler.verify.generation import generation_inputs
+    from kiln.compiler.verify.parity import failures
+
+    got = {}
+    for model_type in ("xlnet", "llama"):
+        assert sweep.build(model_type, "causal-lm", tmp_path / model_type)[0] is None
+        got[model_type] = generation_inputs(AutoModelForCausalLM.from_pretrained(tmp_path / model_type), [5, 6, 7])
+    assert got == {"xlnet": ["perm_mask", "target_mapping"], "llama": []}
+    gen = {"passed": False, "wrong_tokens": [(0, 0)], "max_abs_over_atol": 9.0, "cosine_min": 0.1,
+           "tokens_identical": False, "reference": "rows alone", "through": "recompute (no KV cache)",
+           "generate_inputs": got["xlnet"]}
+    line = " ".join(failures({"generation": gen, "cases": []}))
+    assert "feeds its forward perm_mask, target_mapping" in line and "left-padded" not in line

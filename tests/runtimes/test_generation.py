@@ -139,3 +139,44 @@ def test_draws_follow_the_distribution():
     s = S.Sampling(do_sample=True)
     draws = np.array([S.choose(logits, np.zeros((1, 0), np.int64), s, rng)[0] for _ in range(4000)])
     np.testing.assert_allclose(np.bincount(draws, minlength=3) / 4000, [0.7, 0.2, 0.1], atol=0.03)
+
+
+class PositionalGraph:
+    """A causal graph that numbers positions from the start of the sequence (as a forward that takes no
+    position_ids does): logits[b, t, v] = sum over real s <= t of ids[b, s] * (s + 1) * (v + 1). A left-padded row
+    gets other positions than it has alone; ``keep`` is the name of a logits_to_keep input (last k positions)."""
+
+    def __init__(self, keep: str | None = None) -> None:
+        self.keep = keep
+
+    def run(self, feeds):
+        ids, mask = feeds["input_ids"], feeds["attention_mask"]
+        term = ids * (np.arange(ids.shape[1]) + 1) * mask
+        logits = np.cumsum(term, 1)[:, :, None] * (np.arange(3) + 1)
+        if self.keep:
+            logits = logits[:, -int(feeds[self.keep]):]
+        return {"logits": logits.astype(np.float32)}
+
+
+@pytest.mark.parametrize("keep", [None, "logits_to_keep"])
+def test_recompute_gives_a_left_padded_row_the_positions_it_has_alone(keep):
+    from kiln.runtimes.base import RecomputeRunner
+
+    rows = [[5, 6, 7, 8], [9, 10]]
+    ids = np.array([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = (ids != 0).astype(np.int64)
+    batch = RecomputeRunner(PositionalGraph(keep), 2, keep)
+    got = [batch.step(ids, mask)[:, -1]]
+    for token in (11, 12):  # two decode steps: the new tokens follow each row's own last token
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], 1)
+        got.append(batch.step(np.full((2, 1), token), mask)[:, -1])
+    for i, row in enumerate(rows):
+        alone = RecomputeRunner(PositionalGraph(keep), 1, keep)
+        want = [alone.step(np.array([row]), np.ones((1, len(row)), np.int64))[0, -1]]
+        for n, token in enumerate((11, 12), 1):
+            want.append(alone.step(np.array([[token]]), np.ones((1, len(row) + n), np.int64))[0, -1])
+        np.testing.assert_array_equal(np.stack([g[i] for g in got]), np.stack(want))
+    if keep is None:  # every new position maps back to the caller's layout (pad columns are not compared)
+        full = RecomputeRunner(PositionalGraph(), 2).step(ids, (ids != 0).astype(np.int64))
+        np.testing.assert_array_equal(full[1, 2:], PositionalGraph().run(
+            {"input_ids": np.array([[9, 10]]), "attention_mask": np.ones((1, 2), np.int64)})["logits"][0])

@@ -56,6 +56,26 @@ def places_padded_rows(model: Any) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
+PLAIN_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "cache_position",
+                          "use_cache", "logits_to_keep", "inputs_embeds", "token_type_ids", "return_dict"})
+"""What ``prepare_inputs_for_generation`` may hand the forward besides tokens the compiled graph also sees."""
+
+
+def generation_inputs(model: Any, row: list[int]) -> list[str]:
+    """The tensors a model's ``generate`` feeds its forward that the artifact's traced forward does not take
+    (``prepare_inputs_for_generation`` building e.g. a permutation mask and target mapping around a dummy token):
+    such a model's next token is not the plain forward's last logits, and kiln cannot reproduce it."""
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    if prepare is None:
+        return []
+    try:
+        ids = torch.tensor([row])
+        fed = prepare(ids, attention_mask=torch.ones_like(ids))
+    except Exception:  # a signature kiln does not know: no claim either way
+        return []
+    return sorted(k for k, v in fed.items() if isinstance(v, torch.Tensor) and k not in PLAIN_INPUTS)
+
+
 def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: int, precision: str,
                       pad_id: int) -> dict[str, Any]:
     tol = TOLERANCES[precision]
@@ -74,7 +94,7 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
             ref_logits = np.stack([np.concatenate([a.logits[t].float().numpy() for a in alone]) for t in range(steps)])
 
     base = {"steps": steps, "batch": len(rows), "prompt_lengths": [len(r) for r in rows],
-            "reference": "batch" if batched else "rows alone"}
+            "reference": "batch" if batched else "rows alone", "generate_inputs": generation_inputs(model, rows[0])}
     kv = artifact.manifest.data.get("kv_cache")
     base["through"] = "kv cache" if kv else "recompute (no KV cache)"
 

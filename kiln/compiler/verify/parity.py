@@ -19,6 +19,7 @@ import numpy as np
 
 from kiln.compiler.verify import metrics
 from kiln.compiler.verify.cases import Case, Feeds
+from kiln.errors import GraphRunError, KilnError, ParityError
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,11 @@ def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: s
         if progress:
             progress(f"verify {i + 1}/{len(cases)}: {case.name}")
         ref = reference.run(case.feeds)
-        got = candidate.run(case.feeds)
+        try:
+            got = candidate.run(case.feeds)
+        except GraphRunError as e:
+            e.at = f"{case.name} (input_ids {'x'.join(map(str, case.feeds['input_ids'].shape))})"
+            raise
         mask = case.feeds.get("attention_mask")
         case_tol = tol if case.source != "random" or tol.random_min_cosine is None else \
             replace(tol, min_cosine=tol.random_min_cosine, min_mean_cosine=None, min_top1=0.0)  # top-1: pooled below
@@ -226,6 +231,18 @@ def verify(reference: Runner, candidate: Runner, cases: list[Case], precision: s
         "passed": bool(results) and not uncompared and all(r["passed"] is not False for r in results) and
         all(p["passed"] for p in pooled.values()),
     }
+
+
+def fails_on_case(source: Any, e: GraphRunError) -> KilnError:
+    """The compile's error for a graph that ONNX Runtime could not run on a verification case (``e`` unchanged when
+    it was not running one)."""
+    if e.at is None:
+        return e
+    return ParityError(
+        f"{source}: the compiled graph fails on verification case {e.at}: {e.detail}; it holds fixed a size that "
+        "varies with the input (a shape the model's forward computed from the traced example's batch or length as a "
+        "Python number), or a pass broke it (compare with --disable-pass NAME); no artifact written: report it "
+        "with the checkpoint's config.json")
 
 
 def random_top1(results: list[dict[str, Any]], tol: Tolerance) -> dict[str, dict[str, Any]]:
@@ -274,10 +291,17 @@ def failures(report: dict[str, Any]) -> list[str]:
     if gen and not gen["passed"] and "error" in gen:
         out.append(f"greedy generation through the KV cache failed to run: {gen['error']}")
     elif gen and not gen["passed"]:
-        why = ("; the reference ran each prompt alone because the model's forward takes no position_ids, so a "
-               "left-padded row the model numbers from its first pad fails here (kiln decodes left-padded batches; "
-               "such a model is not supported yet: report it with the checkpoint's config.json)"
-               if gen.get("reference") == "rows alone" else "")
+        why = ""
+        if gen.get("generate_inputs"):
+            why = (f"; the model's generate feeds its forward {', '.join(gen['generate_inputs'])} "
+                   "(its prepare_inputs_for_generation), which the compiled forward does not take, so its next token "
+                   "is not the forward's last logits: its generation is not supported (report it with the "
+                   "checkpoint's config.json)")
+        elif gen.get("reference") == "rows alone" and gen.get("through") == "kv cache":
+            why = ("; the reference ran each prompt alone because the model's forward takes no position_ids, so a "
+                   "left-padded row the model numbers from its first pad fails here (kiln's KV cache decodes "
+                   "left-padded batches; such a model is not supported yet: report it with the checkpoint's "
+                   "config.json)")
         out.append(f"greedy generation: {len(gen['wrong_tokens'])} wrong decisive token(s) (first {gen['wrong_tokens'][:1]}), "
                    f"step logits at {gen['max_abs_over_atol']:.3g}x the tolerance, cosine min {gen['cosine_min']:.4f}, "
                    f"tokens identical {gen['tokens_identical']}{why}")

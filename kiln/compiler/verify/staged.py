@@ -27,8 +27,8 @@ from kiln.compiler.quantize.driver import cost_and_gain
 from kiln.compiler.staging import GRAPH
 from kiln.compiler.verify import cases as case_lib
 from kiln.compiler.verify.generation import GENERATION_STEPS, verify_generation, verify_seq2seq
-from kiln.compiler.verify.parity import EXACT_SESSION, failures, fp32_activations, latency, verify
-from kiln.errors import ParityError
+from kiln.compiler.verify.parity import EXACT_SESSION, fails_on_case, failures, fp32_activations, latency, verify
+from kiln.errors import GraphRunError, ParityError
 from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION, Manifest
 
 Progress = Callable[[str], None]
@@ -143,6 +143,8 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                     say("measure latency (eager vs artifact)")
                     feeds = case_lib.latency_feeds(ckpt, inputs, options.latency_shape, options.seed)
                     report["latency"] = latency(eager, artifact, feeds, options.latency_budget_s)
+        except GraphRunError as e:
+            raise fails_on_case(ckpt.path, e) from e
         finally:
             for scratch in (exact_dir, emulated):
                 if scratch is not None:

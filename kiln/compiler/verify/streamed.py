@@ -22,6 +22,7 @@ from kiln.compiler.layerwise import LayerStream, Transform
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.verify.generation import compare_steps
 from kiln.compiler.verify.parity import TOLERANCES
+from kiln.errors import GraphRunError
 from kiln.runtimes.generation import pad_rows
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def verify_streamed(ckpt: Checkpoint, open_artifact: Callable[[], Any], cases: l
 
     ``open_artifact()``: a context manager yielding the loaded artifact. It is opened twice (to generate, then to
     verify) and closed while the reference runs, so its weights and the reference's are never in memory together."""
-    from kiln.compiler.verify.parity import verify
+    from kiln.compiler.verify.parity import fails_on_case, verify
 
     feeds = [c.feeds for c in cases]
     gen = None
@@ -111,7 +112,10 @@ def verify_streamed(ckpt: Checkpoint, open_artifact: Callable[[], Any], cases: l
         "at a time")
     outputs = reference_outputs(ckpt, feeds, say, transform)
     with open_artifact() as artifact:
-        report = verify(Precomputed(feeds, outputs), artifact, cases, precision, say)
+        try:
+            report = verify(Precomputed(feeds, outputs), artifact, cases, precision, say)
+        except GraphRunError as e:
+            raise fails_on_case(ckpt.path, e) from e
         report["reference"] = "layer by layer from the checkpoint (streamed), FP32 compute"
         if gen is not None and report["passed"]:
             prompt, tokens, _ = gen
