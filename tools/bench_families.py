@@ -1,11 +1,11 @@
 """Decode speed of the newer decoder families against a Llama of the same shape, in one run.
 
     python tools/bench_families.py [--families qwen3 phi3 ...] [--prompt 32] [--new-tokens 64] [--rounds 5]
-                                   [--against REF] [--smollm2 fp32 int4]
+                                   [--repeats 3] [--against REF] [--smollm2 fp32 int4]
 
 ``--against REF`` compiles every model a second time with the kiln of git ref REF (a worktree of this repository,
-on the same Python) and times both artifacts of each model in the same rounds: the "vs REF" column is this
-checkout's decode tok/s over REF's. ``--smollm2`` adds SmolLM2-135M-Instruct (real weights,
+on the same Python) and times both artifacts of each model back to back: the "vs REF" column is the median over the
+repeats of this checkout's decode tok/s over REF's. ``--smollm2`` adds SmolLM2-135M-Instruct (real weights,
 ``tools/reference_models.py smollm2``) at those precisions (INT4: the default recipe).
 
 Every family is built here with random weights (fixed seed) at one shape: 8 layers, hidden 512, 8 query / 4 KV
@@ -14,8 +14,9 @@ heads of 64 features, vocab 8192 (GPT-NeoX has no grouped KV heads: 8 / 8). Each
 its routed MLP FLOPs equal the Llama's 1376 and its weights are 4x the MLP ("qwen3_moe-dense": the same model with
 ``--disable-pass fuse-moe``, every expert over every token, as kiln compiled MoE before). kiln compiles each at FP32 (fusion
 coverage still checked; parity is the tests' job), then a child process without torch (its OpenMP threads would
-slow ONNX Runtime) times batch-1 greedy decode of every artifact, rotating the order each round: decode tok/s =
-(new - 1) / (full call - prefill-only call), median of the rounds.
+slow ONNX Runtime) times batch-1 greedy decode of one artifact: decode tok/s = (new - 1) / (full call - prefill-only
+call), median of the rounds; every artifact gets its own child, in turn, ``--repeats`` times, and the median of those
+(a session created beside others runs a few percent faster or slower by where it was created).
 
 Two ratios against the Llama: raw tok/s, and per weight byte (tok/s x the bytes a decode step reads), which
 removes the differences in size: a family on the fused path reads its weights as fast as the Llama does. A routed
@@ -175,12 +176,33 @@ def time_decode(artifacts: dict[str, str], prompt: int, new: int, rounds: int, t
     return {f: statistics.median(v) for f, v in speeds.items()}
 
 
+def timed_in_turn(artifacts: dict[str, str], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Decode tok/s per artifact, one per repeat: each artifact timed alone in its own child process
+    (``args.rounds`` rounds), the artifacts in turn, ``args.repeats`` times (the turn order rotated, a model and its
+    --against twin back to back, swapped each time, so a pair's ratio is taken within minutes of drift). One process per artifact, because where a session is created among others
+    moves its speed: on a Zen 4 machine the same two artifacts timed 0.96x with one created first and 1.04x with the
+    other (30 alternating rounds, twice each way), and 1.01x each in a process of its own."""
+    groups = [[f] + ([f + "@ref"] if f + "@ref" in artifacts else []) for f in artifacts if not f.endswith("@ref")]
+    speeds: dict[str, list[float]] = {f: [] for f in artifacts}
+    for rep in range(args.repeats):
+        rotated = groups[rep % len(groups):] + groups[:rep % len(groups)]
+        turn = [f for g in rotated for f in (g if rep % 2 == 0 else g[::-1])]
+        for f in turn:
+            child = subprocess.run([sys.executable, __file__, "--child", json.dumps({f: artifacts[f]}),
+                                    "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+                                    "--rounds", str(args.rounds), "--threads", str(args.threads)],
+                                   capture_output=True, text=True, check=True)
+            speeds[f].append(json.loads(child.stdout.strip().splitlines()[-1])[f])
+    return speeds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="+", default=FAMILIES)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="times each artifact's child process runs, in turn")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--against", metavar="REF", help="also compile with the kiln at this git ref; time both")
     ap.add_argument("--smollm2", nargs="*", choices=["fp32", "int4"], default=[],
@@ -221,16 +243,14 @@ def main() -> int:
             ckpt, p = (real[f]["ckpt"], real[f]["precision"]) if f in real else (work / f"{f}-ckpt", "fp32")
             if compile_at(tree, ckpt, work / f"{f}@ref", args.threads, p, DISABLED.get(f, ())):
                 artifacts[f"{f}@ref"] = str(work / f"{f}@ref")
-    child = subprocess.run([sys.executable, __file__, "--child", json.dumps(artifacts),
-                            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-                            "--rounds", str(args.rounds), "--threads", str(args.threads)],
-                           capture_output=True, text=True, check=True)
-    speed = json.loads(child.stdout.strip().splitlines()[-1])
+    repeats = timed_in_turn(artifacts, args)
+    speed = {f: statistics.median(v) for f, v in repeats.items()}
     flags = sorted({w for w in Path("/proc/cpuinfo").read_text().split() if w.startswith(("avx", "amx"))})
     print(f"machine: {cpu_name()}, {os.cpu_count()} cpus, threads {args.threads}, flags {' '.join(flags)}; "
           f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}")
     print(f"shape: 8 layers, hidden 512, 8 / 4 heads of 64, vocab 8192; FP32; batch 1, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rotating rounds")
+          f"{args.new_tokens} new tokens, greedy, median of {args.rounds} rounds in a process per artifact, "
+          f"{args.repeats} repeats in turn")
     against = f" | vs {args.against} | nodes + weights differing (this / {args.against})" if args.against else ""
     print(f"| family | params | MB read per step | fuse-gqa | kv-cache | fuse-moe | decode tok/s | vs llama | "
           f"per byte vs llama{against} |")
@@ -245,7 +265,8 @@ def main() -> int:
 
         a, r = (Counter(map(repr, graph_signature(artifacts[x]))) for x in (f, f + "@ref"))
         new, old = sum((a - r).values()), sum((r - a).values())
-        return f" | {speed[f] / speed[f + '@ref']:.3f}x | " + ("identical" if not new + old else f"{new} / {old} differ")
+        paired = statistics.median(a / b for a, b in zip(repeats[f], repeats[f + "@ref"]))  # back-to-back pairs
+        return f" | {paired:.3f}x | " + ("identical" if not new + old else f"{new} / {old} differ")
 
     for f in families:
         b = built[f]

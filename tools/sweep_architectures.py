@@ -46,9 +46,11 @@ HIDDEN_BY_SIX = 96
 """The hidden size of a second try, for the models whose tiny config does not run at ``HIDDEN``: one that splits
 into six equal parts (layout models embed a box's four coordinates and two sizes in sixths of the hidden)."""
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, POSITIONS = 64, 2, 4, 2, 16, 128, 512, 128
-TRIES = ((HIDDEN, False), (HIDDEN, True), (HIDDEN_BY_SIX, True))
-"""(hidden size, latent head as the sum of its parts) for each try at a tiny model that runs: latent-attention
-configs name a whole head ``head_dim`` in some families and the rotary part in others."""
+TRIES = ((HIDDEN, False, False), (HIDDEN, True, False), (HIDDEN_BY_SIX, True, False), (HIDDEN, True, True))
+"""(hidden size, latent head as the sum of its parts, every layer the base sizes) for each try at a tiny model that
+runs: latent-attention configs name a whole head ``head_dim`` in some families and the rotary part in others; a
+per-layer size tied to others by the config's validators (a sliding layer's head = its unrotated + rotated parts)
+does not survive scaling each by its own ratio, so the last try builds every layer with the base sizes."""
 HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
              "decoder_attention_heads", "num_decoder_attention_heads")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim", "word_embed_proj_dim")
@@ -122,10 +124,11 @@ def left_out(config) -> str | None:
     return None
 
 
-def shrink(config, hidden: int = HIDDEN, latent: bool = False) -> dict:
+def shrink(config, hidden: int = HIDDEN, latent: bool = False, uniform: bool = False) -> dict:
     """The overrides that make ``config`` tiny: every size key it has (the hidden size ``hidden``), token ids inside
     the vocabulary, per-layer lists cut to the layer count keeping one layer of each distinct kind, and the sizes
-    other sizes are derived from kept consistent (a latent-attention head, a layout box, an unset top-k)."""
+    other sizes are derived from kept consistent (a latent-attention head, a layout box, an unset top-k or head
+    size), and layers of a kind (routed experts every k-th layer, dense-MLP layers) kept in the tiny model. ``uniform``: no layer keeps sizes of its own (``per_layer_config`` emptied)."""
     present, out = config.to_dict(), {}
     heads = next((present[k] for k in HEAD_KEYS if isinstance(present.get(k), int)), None)
     for value, keys in SIZES:
@@ -148,6 +151,15 @@ def shrink(config, hidden: int = HIDDEN, latent: bool = False) -> dict:
         if isinstance(value, list) and len(value) != LAYERS:
             kinds = list(dict.fromkeys(value))
             out[key] = (kinds * LAYERS)[:LAYERS]
+    for key, value in present.items():  # layers of a kind (routed experts every k-th layer): the kind stays
+        if isinstance(value, int) and not isinstance(value, bool) and value > LAYERS and (
+                key.endswith("_sparse_step") or (key.startswith("num_sparse_") and key.endswith("_layers"))):
+            out[key] = LAYERS
+    only = present.get("mlp_only_layers")  # layers that keep a dense MLP: never all of the tiny ones
+    if isinstance(only, list) and all(isinstance(i, int) for i in only):
+        out["mlp_only_layers"] = [i for i in only if i < LAYERS - 1]
+    if "head_dim" in present and present["head_dim"] is None and heads:  # unset: what the model would derive
+        out["head_dim"] = hidden // HEADS
     if latent and isinstance(present.get("qk_nope_head_dim"), int) and isinstance(present.get("qk_rope_head_dim"), int) \
             and "head_dim" in present:  # latent attention whose head_dim is a whole head: unrotated part + rotated one
         out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
@@ -165,7 +177,7 @@ def shrink(config, hidden: int = HIDDEN, latent: bool = False) -> dict:
         kinds = {types[int(i)]: {k: scaled(k, v, present, out) for k, v in sizes.items()} for i, sizes in layers.items()
                  if str(i).isdigit() and int(i) < len(types)}
         kept = out.get("layer_types", types)
-        out["per_layer_config"] = {str(j): kinds[t] for j, t in enumerate(kept) if t in kinds}
+        out["per_layer_config"] = {} if uniform else {str(j): kinds[t] for j, t in enumerate(kept) if t in kinds}
     languages = present.get("languages")
     if present.get("default_language", 0) is None and isinstance(languages, (list, tuple)) and languages:
         out["default_language"] = languages[0]  # a one-language deployment: the adapter is picked by the config
@@ -192,19 +204,25 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     why = left_out(config_cls())
     if why:
         return why, ""
-    model, why = None, ""
-    for hidden, latent in TRIES:
-        model = tiny(config_cls, task, hidden, latent)
+    model, why, refused = None, "", None
+    for hidden, latent, uniform in TRIES:
+        try:
+            model = tiny(config_cls, task, hidden, latent, uniform)
+        except Exception as e:  # noqa: BLE001 - a config that refuses this try's sizes (its validators) may take the next
+            refused = refused or e
+            continue
         if getattr(model, "main_input_name", "input_ids") != "input_ids":
             return f"reads {model.main_input_name}, not token ids (not a text model)", ""
         why = runs(model)
         if why is None:
             break
+    if model is None:
+        raise refused  # every try refused: the first refusal is the reason
     if why is not None:
         return f"cannot be built tiny: the tiny model does not run in transformers ({why})", ""
     if task == "causal-lm" and config_cls().to_dict().get("is_decoder") is False and not causal(model):
         # a decoder checkpoint sets it: left False, the layers attend both ways and the model is no causal LM
-        model = tiny(config_cls, task, hidden, latent, is_decoder=True)
+        model = tiny(config_cls, task, hidden, latent, uniform, is_decoder=True)
     recurrent = sorted({type(m).__name__ for m in model.modules() if any(r in type(m).__name__ for r in RECURRENT_MODULES)})
     if recurrent:
         return f"state-space / recurrent / hybrid layers ({', '.join(recurrent)[:80]})", ""
@@ -216,13 +234,14 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     return None, kind
 
 
-def tiny(config_cls: Any, task: str, hidden: int, latent: bool, **fixed: Any) -> Any:
+def tiny(config_cls: Any, task: str, hidden: int, latent: bool, uniform: bool = False, **fixed: Any) -> Any:
     """The random-init model of ``config_cls`` for ``task``, shrunk (``shrink``) to hidden size ``hidden`` (a latent
-    head the sum of its parts when ``latent``), with the settings ``fixed``."""
+    head the sum of its parts when ``latent``, every layer the base sizes when ``uniform``), with the settings
+    ``fixed``."""
     import torch
     import transformers as T
 
-    overrides = shrink(config_cls(), hidden, latent) | fixed
+    overrides = shrink(config_cls(), hidden, latent, uniform) | fixed
     if task == "text2text-generation" and getattr(config_cls(), "decoder_start_token_id", None) is None:
         overrides["decoder_start_token_id"] = 0  # generation needs one; released checkpoints set it
     config = config_cls(**overrides)

@@ -287,3 +287,21 @@ def test_broken_cache_path_fails_generation_check(capsys, tmp_path, monkeypatch)
     ckpt = save_checkpoint(tmp_path / "gpt2", "gpt2", "causal-lm")
     assert_fails(capsys, tmp_path, [str(ckpt), "--verify-max-length", "32"], 1, "parity check failed",
                  "greedy generation", "no artifact written")
+
+
+def test_a_quantized_graph_that_rounds_too_much_names_the_higher_tier():
+    """INT4 that computes its codes exactly but misses the bound against FP32: the line names the budget (sensitive
+    weights a tier up) and the other methods; a graph that misses its own codes, a failed generation check (run
+    only after parity held) or an FP32 graph is kiln's problem, and gets no such advice."""
+    from kiln.compiler.options import CompileOptions
+    from kiln.compiler.verify.staged import remedy
+
+    int4, int8 = CompileOptions(precision="int4", quant_method="rtn"), CompileOptions(precision="int8")
+    exact = {"passed": False, "codes": {"passed": True}}
+    assert "keep its most sensitive weights at INT8 with --max-drop top1=0.95" in remedy(exact, int4)
+    assert "--quant-method gptq, or --precision int8" in remedy(exact, int4)
+    assert "at FP32 with --max-drop top1=0.95" in remedy({"passed": False}, int8)
+    assert "tighten --max-drop" in remedy(exact, CompileOptions(precision="int4", max_drop="top1=0.9"))
+    assert remedy({"passed": False, "codes": {"passed": False}}, int4) == ""
+    assert remedy({"passed": False, "codes": {"passed": True}, "generation": {"passed": False}}, int4) == ""
+    assert remedy({"passed": False}, CompileOptions()) == ""

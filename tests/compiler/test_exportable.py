@@ -36,6 +36,31 @@ class ComplexRotary(torch.nn.Module):
         return torch.view_as_real(pairs * freqs[:, None, :]).flatten(3)
 
 
+class CastingRouter(torch.nn.Module):
+    """A router that casts its classifier to its own dtype inside forward, as Switch Transformers' and NLLB-MoE's do;
+    a cast to float64 (a real change) still happens. (Inside a loaded model the exporter fails to swap the weight
+    for its traced copy; tests/compiler/test_sweep.py checks that on Switch Transformers.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        return torch.softmax(self.classifier(x), -1)
+
+
+def test_a_module_cast_to_what_it_is_inside_forward_exports(tmp_path):
+    torch.manual_seed(0)
+    module, x = CastingRouter(), torch.randn(3, 8)
+    session = exported(module, (x,), tmp_path / "m.onnx")
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, module(x).detach().numpy(), rtol=1e-6, atol=1e-7)
+    with exportable():
+        assert module.to(torch.float32) is module
+        assert module.to(torch.float64).classifier.weight.dtype == torch.float64
+
+
 def test_a_number_minus_an_integer_tensor_exports_as_eager_computes_it(tmp_path):
     x, mask = torch.randn(2, 5, 3), torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 1, 1]])
     session = exported(InvertedMask(), (x, mask), tmp_path / "m.onnx")
@@ -54,8 +79,8 @@ def test_a_complex_rotary_exports_as_eager_computes_it(tmp_path):
 
 
 def test_the_patches_are_gone_after_the_context_even_when_export_fails():
-    rsub = torch.Tensor.__rsub__
+    rsub, to = torch.Tensor.__rsub__, torch.nn.Module.to
     with pytest.raises(RuntimeError), exportable():
-        assert torch.Tensor.__rsub__ is not rsub
+        assert torch.Tensor.__rsub__ is not rsub and torch.nn.Module.to is not to
         raise RuntimeError("the exporter failed")
-    assert torch.Tensor.__rsub__ is rsub
+    assert torch.Tensor.__rsub__ is rsub and torch.nn.Module.to is to

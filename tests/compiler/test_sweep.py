@@ -117,6 +117,43 @@ def test_the_shrinker_keeps_the_layer_and_top_k_counts_when_heads_match_them():
     assert grouped["num_experts_per_tok"] == 2
 
 
+def test_the_shrinker_builds_configs_whose_validators_tie_sizes_together(tmp_path):
+    """A config with the head size unset that its model reads (ministral: derived as hidden over heads), and one
+    whose validators tie a layer's own sizes together (dots3_note_text: a sliding layer's head is its unrotated plus
+    rotated parts, which scaling each size alone breaks: built with every layer at the base sizes on the last try)."""
+    from transformers import MinistralConfig
+
+    assert sweep.shrink(MinistralConfig())["head_dim"] == sweep.HIDDEN // sweep.HEADS
+    for model_type in ("ministral", "dots3_note_text"):
+        assert sweep.build(model_type, "causal-lm", tmp_path / model_type) == (None, "decoder")
+    assert json.loads((tmp_path / "dots3_note_text" / "config.json").read_text()).get("per_layer_config") in ({}, None)
+
+
+@pytest.mark.parametrize("model_type", ["switch_transformers", "nllb-moe", "flint"])
+def test_the_shrinker_keeps_the_routed_expert_layers(tmp_path, model_type):
+    """Experts every k-th layer (a sparse step, or a count of sparse layers the step is derived from) and a list of
+    dense-MLP layers must leave at least one routed layer among the tiny model's two: a tiny model without experts
+    would report a mixture-of-experts family as compiled when its expert path was never traced."""
+    from safetensors import safe_open
+
+    task = sweep.model_types()[model_type]
+    assert sweep.build(model_type, task, tmp_path / "ckpt")[0] is None
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        assert any("expert" in name for name in f.keys())
+
+
+def test_a_router_that_casts_its_classifier_fails_on_its_expert_loop_not_on_the_cast(tmp_path):
+    """Switch Transformers' router casts its classifier to its own dtype inside forward, which the exporter could
+    not trace ("Cannot swap t1"); with the cast left as eager leaves it, the export reaches what really stops it,
+    the loop over the experts a batch hits (a data-dependent shape), and says so."""
+    from kiln.errors import ExportError
+
+    assert sweep.build("switch_transformers", "text2text-generation", tmp_path / "ckpt")[0] is None
+    with pytest.raises(ExportError) as e:
+        compile(tmp_path / "ckpt", tmp_path / "art", fast_options(max_length=128))
+    assert "GuardOnDataDependentSymNode" in str(e.value) and "swap" not in str(e.value)
+
+
 def test_a_model_whose_generate_feeds_more_than_tokens_is_named(tmp_path):
     """XLNet's generate appends a dummy token and feeds a permutation mask and target mapping: the plain forward's
     last logits are not its next token, and the failure says so instead of blaming padding."""
