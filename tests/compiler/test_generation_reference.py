@@ -67,5 +67,8 @@ def test_a_generation_failure_against_rows_alone_says_why():
 
     gen = {"passed": False, "wrong_tokens": [], "max_abs_over_atol": 8.7e3, "cosine_min": 0.2, "tokens_identical": True}
     assert "position_ids" not in failures({"generation": gen | {"reference": "batch"}, "cases": []})[0]
-    said = failures({"generation": gen | {"reference": "rows alone"}, "cases": []})[0]
+    said = failures({"generation": gen | {"reference": "rows alone", "through": "kv cache"}, "cases": []})[0]
     assert "takes no position_ids" in said and "not supported yet" in said
+    # without a cache kiln recomputes each row from position 0: padding is not the reason there
+    recomputed = gen | {"reference": "rows alone", "through": "recompute (no KV cache)"}
+    assert "position_ids" not in failures({"generation": recomputed, "cases": []})[0]
