@@ -110,7 +110,8 @@ def test_encoder_cannot_generate(artifacts):
 
 def test_cli_generate_streams_and_prints_ids(artifacts, capsys):
     assert main(["generate", str(artifacts["llama"]), "--prompt", "import os", "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.strip()
+    out = capsys.readouterr().out  # the random model's tokens may decode to whitespace (a form feed): still text
+    assert out.endswith("\n") and out.rstrip("\n")
     assert main(["generate", str(artifacts["llama"]), "--ids", "5,9,17", "--max-new-tokens", "4", "--stop-id", "-1"]) == 0
     assert len(capsys.readouterr().out.strip().split(",")) == 4
     assert main(["generate", str(artifacts["llama"]), "--ids", "5", "--max-new-tokens", "500"]) == 1
