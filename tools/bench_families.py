@@ -179,9 +179,10 @@ def time_decode(artifacts: dict[str, str], prompt: int, new: int, rounds: int, t
 def timed_in_turn(artifacts: dict[str, str], args: argparse.Namespace) -> dict[str, list[float]]:
     """Decode tok/s per artifact, one per repeat: each artifact timed alone in its own child process
     (``args.rounds`` rounds), the artifacts in turn, ``args.repeats`` times (the turn order rotated, a model and its
-    --against twin back to back, swapped each time, so a pair's ratio is taken within minutes of drift). One process per artifact, because where a session is created among others
-    moves its speed: on a Zen 4 machine the same two artifacts timed 0.96x with one created first and 1.04x with the
-    other (30 alternating rounds, twice each way), and 1.01x each in a process of its own."""
+    --against twin back to back, swapped each time, so a pair's ratio is taken within minutes of drift). One
+    process per artifact, because where a session is created among others moves its speed: on a Zen 4 machine the
+    same two artifacts timed 0.96x with one created first and 1.04x with the other (30 alternating rounds, twice
+    each way), and 1.01x each in a process of its own."""
     groups = [[f] + ([f + "@ref"] if f + "@ref" in artifacts else []) for f in artifacts if not f.endswith("@ref")]
     speeds: dict[str, list[float]] = {f: [] for f in artifacts}
     for rep in range(args.repeats):

@@ -128,7 +128,8 @@ def shrink(config, hidden: int = HIDDEN, latent: bool = False, uniform: bool = F
     """The overrides that make ``config`` tiny: every size key it has (the hidden size ``hidden``), token ids inside
     the vocabulary, per-layer lists cut to the layer count keeping one layer of each distinct kind, and the sizes
     other sizes are derived from kept consistent (a latent-attention head, a layout box, an unset top-k or head
-    size), and layers of a kind (routed experts every k-th layer, dense-MLP layers) kept in the tiny model. ``uniform``: no layer keeps sizes of its own (``per_layer_config`` emptied)."""
+    size), and layers of a kind (routed experts every k-th layer, dense-MLP layers) kept in the tiny model.
+    ``uniform``: no layer keeps sizes of its own (``per_layer_config`` emptied)."""
     present, out = config.to_dict(), {}
     heads = next((present[k] for k in HEAD_KEYS if isinstance(present.get(k), int)), None)
     for value, keys in SIZES:
@@ -208,7 +209,7 @@ def build(model_type: str, task: str, path: Path) -> tuple[str | None, str]:
     for hidden, latent, uniform in TRIES:
         try:
             model = tiny(config_cls, task, hidden, latent, uniform)
-        except Exception as e:  # noqa: BLE001 - a config that refuses this try's sizes (its validators) may take the next
+        except Exception as e:  # noqa: BLE001 - a config refusing this try's sizes (validators) may take the next
             refused = refused or e
             continue
         if getattr(model, "main_input_name", "input_ids") != "input_ids":
