@@ -22,7 +22,7 @@ from kiln.compiler import manifest as manifest_lib
 from kiln.compiler import options as options_lib
 from kiln.compiler import stream as stream_lib
 from kiln.compiler import trace, trace_seq2seq, trace_stream
-from kiln.compiler.facts import from_graph, model_facts
+from kiln.compiler.facts import experts_layers, from_graph, model_facts
 from kiln.compiler.load import Checkpoint, load_checkpoint
 from kiln.compiler.optimise import optimise
 from kiln.compiler.options import AWQ_METHODS, CompileOptions, int4_defaults
@@ -151,10 +151,12 @@ def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: 
     logs = trace_seq2seq.export(ckpt, root, options.opset)
     s = trace_seq2seq.shapes(ckpt)
     # one MultiHeadAttention per encoder layer; self + cross per decoder layer
+    encoder, decoder = ckpt.model.get_encoder(), ckpt.model.get_decoder()
     graphs = {trace_seq2seq.ENCODER: ModelFacts("seq2seq", s["encoder_layers"], s["heads"], s["heads"], s["head_size"],
-                                                ckpt.max_length),
+                                                ckpt.max_length, experts_layers=experts_layers(encoder)),
               trace_seq2seq.DECODER: ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"],
-                                                ckpt.max_length, attentions_per_layer=2)}
+                                                ckpt.max_length, attentions_per_layer=2,
+                                                experts_layers=experts_layers(decoder))}
     record: list[dict[str, Any]] = []
     problems: list[str] = []
     summaries: dict[str, Any] = {}

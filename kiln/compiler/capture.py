@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.expert_loops import dense_loops
 from kiln.compiler.exportable import exportable
 from kiln.errors import UnsupportedModelError
 from kiln.passes import attention_node
@@ -186,7 +187,7 @@ def export(module: torch.nn.Module, args: tuple, *, source: str, dynamic_shapes:
     ``source`` names the checkpoint in errors. Raises UnsupportedModelError when the graph fixes an axis that
     ``dynamic_shapes`` declares dynamic: the exporter's fallbacks accept a forward whose Python depends on that
     length (a loop over tokens, as in state-space and recurrent layers), and such a graph serves one length only."""
-    with capture() as log, exportable():
+    with capture() as log, exportable(), dense_loops(module):
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS,
                                     dynamic_shapes=dynamic_shapes, **kwargs)
     fixed = fixed_axes(program.model.graph.inputs, dynamic_shapes)

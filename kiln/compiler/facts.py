@@ -11,6 +11,7 @@ from typing import Any
 import onnx
 
 from kiln.compiler import trace_seq2seq
+from kiln.compiler.expert_loops import loop_experts
 from kiln.compiler.experts import routed_experts
 from kiln.compiler.load import Checkpoint
 from kiln.compiler.pipeline import ModelFacts
@@ -18,11 +19,17 @@ from kiln.errors import UnsupportedModelError
 from kiln.passes import attention_node
 
 
+def experts_layers(model: Any) -> int:
+    """Routed-experts layers: those transformers' experts registry runs, and those that loop over their tokens."""
+    return len(routed_experts(model)) + len(loop_experts(model))
+
+
 def model_facts(ckpt: Checkpoint) -> ModelFacts:
     cfg = ckpt.config
     if ckpt.kind == "seq2seq":
         s = trace_seq2seq.shapes(ckpt)
-        return ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"], ckpt.max_length)
+        return ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"], ckpt.max_length,
+                          experts_layers=experts_layers(ckpt.model))
 
     def read(key: str) -> Any:
         try:
@@ -42,11 +49,11 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
             "/ n_layer / num_layers); kiln compiles Transformers")
     if not (heads and hidden):  # no attention the config names (a Fourier mixer), or per-layer counts: the graph says
         return ModelFacts(ckpt.kind, int(layers), 0, 0, 0, ckpt.max_length, attentions_per_layer=0,
-                          experts_layers=len(routed_experts(ckpt.model)))
+                          experts_layers=experts_layers(ckpt.model))
     kv = first("num_key_value_heads") or heads
     head_size = first("head_dim") or int(hidden) // int(heads)
     return ModelFacts(ckpt.kind, int(layers), int(heads), int(kv), int(head_size), ckpt.max_length,
-                      experts_layers=len(routed_experts(ckpt.model)))
+                      experts_layers=experts_layers(ckpt.model))
 
 
 def from_graph(facts: ModelFacts, graph: Path) -> ModelFacts:

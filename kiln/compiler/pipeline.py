@@ -305,6 +305,9 @@ def attention_summary(record: list[dict[str, Any]], facts: ModelFacts, require_f
         elif stage.covers == "experts" and expected:
             experts = {"layers": expected, "fused": got,
                        "unfused_why": [f"{r['where']}: {r['why']}" for r in skipped][:3] if got < expected else []}
+    if experts is None and facts.experts_layers:  # a recipe without fuse-moe (encoder-decoders)
+        experts = {"layers": facts.experts_layers, "fused": 0,
+                   "unfused_why": ["this recipe has no MoE kernel: each expert runs on every token, masked"]}
     layers = max(facts.num_layers * facts.attentions_per_layer, facts.captured + len(delegated or []))
     unfused = max(layers - fused, 0)
     why = sorted(set(reasons))
