@@ -54,7 +54,16 @@ def _keywords(node: Any, in_properties: bool = False) -> set[str]:
 
 
 def _where(path: tuple) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "the manifest"
+    """``a.b[0]``; a key that is not a plain printable name is quoted and escaped (a mutated manifest's key may hold
+    a newline or megabytes), so the error stays one short line."""
+    def step(p: Any) -> str:
+        if isinstance(p, int):
+            return f"[{p}]"
+        if p.isprintable() and len(p) <= 40 and not any(c in p for c in ' []"'):
+            return f".{p}"
+        return f"[{json.dumps(p[:40])}]"
+
+    return "".join(step(p) for p in path).lstrip(".") or "the manifest"
 
 
 def first_error(value: Any, schema: dict[str, Any] | None = None) -> str | None:

@@ -135,8 +135,9 @@ def test_positions_no_index_add_consumes_are_reported():
 
 
 def test_an_encoder_decoder_with_loop_experts_compiles_verified(tmp_path):
-    """End to end: a tiny switch_transformers (a top-1 router with an expert capacity, the loop in its experts
-    dict) traces, verifies its generation, and the manifest says its experts run dense."""
+    """End to end: a tiny switch_transformers (a top-1 router with an expert capacity that casts its classifier to
+    its own dtype inside forward, the loop in its experts dict) traces, verifies its generation, and the manifest
+    says its experts run dense (before: the export stopped at the loop, "GuardOnDataDependentSymNode")."""
     model_type = "switch_transformers"
     why, kind = sweep.build(model_type, sweep.model_types()[model_type], tmp_path / "ckpt")
     assert why is None and kind == "seq2seq"

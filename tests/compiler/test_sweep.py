@@ -142,18 +142,6 @@ def test_the_shrinker_keeps_the_routed_expert_layers(tmp_path, model_type):
         assert any("expert" in name for name in f.keys())
 
 
-def test_a_router_that_casts_its_classifier_fails_on_its_expert_loop_not_on_the_cast(tmp_path):
-    """Switch Transformers' router casts its classifier to its own dtype inside forward, which the exporter could
-    not trace ("Cannot swap t1"); with the cast left as eager leaves it, the export reaches what really stops it,
-    the loop over the experts a batch hits (a data-dependent shape), and says so."""
-    from kiln.errors import ExportError
-
-    assert sweep.build("switch_transformers", "text2text-generation", tmp_path / "ckpt")[0] is None
-    with pytest.raises(ExportError) as e:
-        compile(tmp_path / "ckpt", tmp_path / "art", fast_options(max_length=128))
-    assert "GuardOnDataDependentSymNode" in str(e.value) and "swap" not in str(e.value)
-
-
 def test_a_model_whose_generate_feeds_more_than_tokens_is_named(tmp_path):
     """XLNet's generate appends a dummy token and feeds a permutation mask and target mapping: the plain forward's
     last logits are not its next token, and the failure says so instead of blaming padding."""
