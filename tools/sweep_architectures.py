@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,6 @@ def tiny(config_cls: Any, task: str, hidden: int, latent: bool, uniform: bool = 
     head the sum of its parts when ``latent``, every layer the base sizes when ``uniform``), with the settings
     ``fixed``."""
     import torch
-    import transformers as T
 
     overrides = shrink(config_cls(), hidden, latent, uniform) | fixed
     if task == "text2text-generation" and getattr(config_cls(), "decoder_start_token_id", None) is None:
@@ -251,10 +251,15 @@ def tiny(config_cls: Any, task: str, hidden: int, latent: bool, uniform: bool = 
         if getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = 0
     torch.manual_seed(0)
-    model_cls = {"text2text-generation": T.AutoModelForSeq2SeqLM, "feature-extraction": T.AutoModel,
-                 "causal-lm": T.AutoModelForCausalLM, "sequence-classification": T.AutoModelForSequenceClassification
-                 }[task]
-    return model_cls.from_config(config).eval()
+    return auto_class(task).from_config(config).eval()
+
+
+def auto_class(task: str) -> Any:
+    """transformers' auto class that builds or loads a model for one of the sweep's tasks."""
+    import transformers as T
+
+    return {"text2text-generation": T.AutoModelForSeq2SeqLM, "feature-extraction": T.AutoModel,
+            "causal-lm": T.AutoModelForCausalLM, "sequence-classification": T.AutoModelForSequenceClassification}[task]
 
 
 def causal(model: Any) -> bool:
@@ -437,6 +442,28 @@ def write_docs(text: str) -> None:
     path.write_text(doc[:begin] + "\n" + text + doc[end:])
 
 
+def run_resumable(path: Path, types: list[str], jobs: int, run: Callable[[str], dict],
+                  say: Callable[[dict], str]) -> dict[str, dict]:
+    """Results by model type: those ``path`` (JSON lines) holds from an earlier run of the same work directory, then
+    ``run`` of each of ``types`` it lacks, ``jobs`` at a time, each appended to ``path`` as it finishes (a rerun
+    resumes) and told on stderr (``say``)."""
+    done = {r["model_type"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    todo = [t for t in types if t not in done]
+    print(f"{len(todo)} of {len(types)} to run", file=sys.stderr)
+
+    def one(t: str) -> dict:
+        r = run(t)
+        with open(path, "a") as fh:
+            fh.write(json.dumps(r) + "\n")
+        print(f"{t}: {say(r)}", file=sys.stderr, flush=True)
+        return r
+
+    with ThreadPoolExecutor(jobs) as pool:
+        for r in pool.map(one, todo):
+            done[r["model_type"]] = r
+    return done
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="*", help="these model types only")
@@ -458,26 +485,10 @@ def main() -> None:
     if wanted:
         types = {t: types[t] for t in wanted if t in types}
     work = args.work or Path(tempfile.mkdtemp(prefix="kiln-sweep-"))
-    results_path = work / "results.jsonl"
-    done = {}
-    if results_path.exists():  # resume: a rerun skips what an earlier run of the same work directory finished
-        for line in results_path.read_text().splitlines():
-            r = json.loads(line)
-            done[r["model_type"]] = r
-    todo = [(t, task) for t, task in types.items() if t not in done]
-    print(f"{len(types)} architectures, {len(todo)} to run, work {work}", file=sys.stderr)
-
-    def one(item):
-        t, task = item
-        r = run_one(t, task, work, args.threads, args.int4, args.timeout)
-        with open(results_path, "a") as fh:
-            fh.write(json.dumps(r) + "\n")
-        print(f"{t}: {verdict(r)[0]} {verdict(r)[1][:160]}", file=sys.stderr, flush=True)
-        return r
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for r in pool.map(one, todo):
-            done[r["model_type"]] = r
+    print(f"{len(types)} architectures, work {work}", file=sys.stderr)
+    done = run_resumable(work / "results.jsonl", list(types), args.jobs,
+                         lambda t: run_one(t, types[t], work, args.threads, args.int4, args.timeout),
+                         lambda r: f"{verdict(r)[0]} {verdict(r)[1][:160]}")
     results = [done[t] for t in types if t in done]
     text = (f"```\n{machine()}\nsweep: {len(results)} model types, `kiln compile --max-length {POSITIONS}` (FP32"
             f"{', INT4 rtn for decoders' if args.int4 else ''}), {compile_seconds(results) / 60:.0f} min of compiles"

@@ -22,11 +22,12 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+
+from sweep_architectures import VOCAB, auto_class, run_resumable, verdict  # noqa: E402
 
 SHAPES = ((1, 5), (3, 17))
 ABS_FACTOR = 1e-4  # kiln's FP32 bound (kiln/compiler/verify/parity.py TOLERANCES["fp32"])
@@ -36,14 +37,11 @@ def child(model_type: str, task: str, ckpt: Path) -> dict:
     """One architecture in this (child) process: export with transformers' exporter, run, compare."""
     import numpy as np
     import torch
-    import transformers as T
     from transformers.exporters import OnnxConfig, OnnxExporter
 
-    from sweep_architectures import VOCAB
+    from kiln.compiler.capture import failure
 
-    cls = {"text2text-generation": T.AutoModelForSeq2SeqLM, "feature-extraction": T.AutoModel,
-           "causal-lm": T.AutoModelForCausalLM, "sequence-classification": T.AutoModelForSequenceClassification}[task]
-    model = cls.from_pretrained(str(ckpt)).eval()
+    model = auto_class(task).from_pretrained(str(ckpt)).eval()
     seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
 
     def inputs(batch: int, length: int, seed: int) -> dict:
@@ -64,7 +62,7 @@ def child(model_type: str, task: str, ckpt: Path) -> dict:
     try:
         exported = OnnxExporter().export(model, inputs(2, 9, 0), config=OnnxConfig(dynamic=True))
     except Exception as e:  # noqa: BLE001 - the exporter's failure is the finding
-        return {"status": "fails", "stage": "export", "reason": f"{type(e).__name__}: {first_line(e)}",
+        return {"status": "fails", "stage": "export", "reason": f"{type(e).__name__}: {failure(e)}",
                 "seconds": round(time.perf_counter() - start, 1)}
     worst = 0.0
     for i, (batch, length) in enumerate(SHAPES):
@@ -75,7 +73,7 @@ def child(model_type: str, task: str, ckpt: Path) -> dict:
             got = np.asarray(first(exported(**feeds)), dtype=np.float32)
         except Exception as e:  # noqa: BLE001
             return {"status": "fails", "stage": f"run {batch}x{length}",
-                    "reason": f"{type(e).__name__}: {first_line(e)}", "seconds": round(time.perf_counter() - start, 1)}
+                    "reason": f"{type(e).__name__}: {failure(e)}", "seconds": round(time.perf_counter() - start, 1)}
         if got.shape != ref.shape:
             return {"status": "fails", "stage": f"run {batch}x{length}",
                     "reason": f"output shape {got.shape}, eager {ref.shape}",
@@ -87,13 +85,6 @@ def child(model_type: str, task: str, ckpt: Path) -> dict:
     if status == "fails":
         out |= {"stage": "parity", "reason": f"first output {worst:.3g}x kiln's FP32 bound"}
     return out
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    if "Exception summary" in text:  # torch.onnx's own summary names the root cause
-        text = text.split("Exception summary", 1)[1].strip()
-    return (text.splitlines() or [type(e).__name__])[0][:200]
 
 
 def run_one(model_type: str, task: str, work: Path, timeout: int) -> dict:
@@ -110,8 +101,6 @@ def run_one(model_type: str, task: str, work: Path, timeout: int) -> dict:
 
 
 def table(kiln: dict[str, dict], rival: dict[str, dict]) -> str:
-    from sweep_architectures import verdict
-
     rows = ["| model_type | kind | kiln | transformers.exporters ONNX | its reason |", "|---|---|---|---|---|"]
     both = kiln_only = rival_only = neither = 0
     for t in sorted(rival):
@@ -150,21 +139,10 @@ def main() -> None:
     built = {t: r for t, r in kiln.items() if r.get("kind") and (args.work / t / "ckpt" / "config.json").exists()}
     if args.only:
         built = {t: r for t, r in built.items() if t in args.only}
-    path = args.work / "rival.jsonl"
-    done = {r["model_type"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
-    todo = [t for t in built if t not in done]
-    print(f"{len(built)} built architectures, {len(todo)} to run", file=sys.stderr)
-
-    def one(t: str) -> dict:
-        r = run_one(t, built[t]["task"], args.work, args.timeout)
-        with open(path, "a") as fh:
-            fh.write(json.dumps(r) + "\n")
-        print(f"{t}: {r['status']} {r.get('reason', '')[:120]}", file=sys.stderr, flush=True)
-        return r
-
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for r in pool.map(one, todo):
-            done[r["model_type"]] = r
+    print(f"{len(built)} built architectures", file=sys.stderr)
+    done = run_resumable(args.work / "rival.jsonl", list(built), args.jobs,
+                         lambda t: run_one(t, built[t]["task"], args.work, args.timeout),
+                         lambda r: f"{r['status']} {r.get('reason', '')[:120]}")
     print(table(kiln, {t: done[t] for t in built if t in done}))
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from kiln.errors import UnsupportedModelError
@@ -66,6 +66,12 @@ def loop_experts(model: nn.Module) -> list[nn.Module]:
             if not hasattr(m, "_is_expert_parallel") and _bank(m) and _gather_scatter(type(m))]
 
 
+def _axes(shape: list, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One vector per axis of ``shape``: each position's index along that axis, positions in row-major order."""
+    return tuple(torch.arange(n, device=device).view([n if j == i else 1 for j in range(len(shape))])
+                 .expand(shape).reshape(-1) for i, n in enumerate(shape))
+
+
 class DenseLoops(TorchFunctionMode):
     """Inside: the gather-scatter expert loop runs on every (slot, token) position, masked (module docstring).
     ``owner`` names the module in errors."""
@@ -96,8 +102,6 @@ class DenseLoops(TorchFunctionMode):
     def _constant(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op on the expert list alone, run on real values (outside the tracer), so ``f"expert_{idx[0]}"`` and
         ``experts[idx]`` see a number."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():
             out = func(*args, **kwargs)
         for t in tree_leaves(out):
@@ -109,20 +113,16 @@ class DenseLoops(TorchFunctionMode):
         """Every position of ``x`` (row-major, as ``nonzero`` orders them): real values for a fixed-size vector (the
         experts), else one symbolic vector per axis with ``x != 0`` remembered for the ``index_add`` to apply."""
         shape = list(x.shape)
-        if not as_tuple and all(isinstance(s, int) for s in shape):
-            from torch.utils._python_dispatch import _disable_current_modes
-
+        if not as_tuple:
+            if not all(isinstance(s, int) for s in shape):
+                raise UnsupportedModelError(
+                    f"{self.owner}: the experts loop asks nonzero() for the positions of a tensor whose size is "
+                    "data; kiln runs such loops densely only through torch.where / nonzero(as_tuple=True)")
             with _disable_current_modes():
-                flat = torch.arange(math.prod(shape))
-                grid = torch.stack([flat // math.prod(shape[i + 1:]) % shape[i] for i in range(len(shape))], -1)
+                grid = torch.stack(_axes(shape, x.device), -1)
             self.constant[id(grid)] = grid
             return grid
-        axes = tuple(torch.arange(n, device=x.device).view([n if j == i else 1 for j in range(len(shape))])
-                     .expand(shape).reshape(-1) for i, n in enumerate(shape))
-        if not as_tuple:
-            raise UnsupportedModelError(
-                f"{self.owner}: the experts loop asks nonzero() for the positions of a tensor whose size is data; "
-                "kiln runs such loops densely only through torch.where / nonzero(as_tuple=True)")
+        axes = _axes(shape, x.device)
         mask = (x != 0).reshape(-1)
         for a in axes:
             self.masks[id(a)] = (a, mask)

@@ -28,8 +28,7 @@ def model_facts(ckpt: Checkpoint) -> ModelFacts:
     cfg = ckpt.config
     if ckpt.kind == "seq2seq":
         s = trace_seq2seq.shapes(ckpt)
-        return ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"], ckpt.max_length,
-                          experts_layers=experts_layers(ckpt.model))
+        return ModelFacts("seq2seq", s["layers"], s["heads"], s["heads"], s["head_size"], ckpt.max_length)
 
     def read(key: str) -> Any:
         try:
