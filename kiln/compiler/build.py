@@ -33,7 +33,7 @@ from kiln.compiler.quantize import gptq
 from kiln.compiler.scoped import torch_threads
 from kiln.compiler.staging import GRAPH, check_output, copy_tokenizer, staging
 from kiln.compiler.verify.staged import verify_artifact
-from kiln.errors import OutputError, UsageError
+from kiln.errors import OutputError, UnsupportedModelError, UsageError
 from kiln.runtimes.artifact import REPORT
 
 log = logging.getLogger(__name__)
@@ -103,12 +103,14 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
             log = trace_stream.export(ckpt, root / GRAPH, options.opset, say)
         else:
             log = trace.export(ckpt, root / GRAPH, options.opset, options.external_data_threshold)
+        traced_fixes(ckpt, log, ckpt.kind == "decoder", say, "sequence")
         facts = from_graph(facts, root / GRAPH)
         record, summary, problems = optimise(root / GRAPH, names, facts, options, ckpt, say, drivers=drivers,
                                              delegated=log.delegated)
         for problem in problems:
             say(f"note: {problem}; verified on the fallback (--require-fusion refuses it)")
         data = manifest_lib.base(ckpt, facts, options, record, *trace.io_specs(ckpt), {"model": GRAPH})
+        manifest_lib.add_traced(data, "model", log, ckpt, "sequence")
         data["attention"] = summary
         if ckpt.pruning is not None:
             data["pruning"] = ckpt.pruning
@@ -145,10 +147,31 @@ def _build(ckpt: Checkpoint, root: Path, options: CompileOptions, say: Progress,
     manifest_lib.write(root, data)
 
 
+def traced_fixes(ckpt: Checkpoint, log: Any, steps: bool, say: Progress, axis: str) -> None:
+    """Says what the trace fixed (``kiln.compiler.decided``), and refuses what a graph run step by step (``steps``:
+    a decoder, or an encoder-decoder's decoder) cannot keep: decisions on tensor data (the cached step sees only
+    the new tokens, and its runners do not check them) and lengths in blocks (a step is one token)."""
+    if steps and log.assumptions:
+        raise UnsupportedModelError(f"{ckpt.path} ({ckpt.architecture}): the decoder decides on tensor data at "
+                                    f"{log.assumptions[0]['where']}; kiln compiles such decisions only in graphs run "
+                                    "whole (encoders), where the runtime checks them on every run")
+    if steps and log.blocks:
+        raise UnsupportedModelError(f"{ckpt.path} ({ckpt.architecture}): the decoder takes lengths only in blocks of "
+                                    f"{next(iter(log.blocks.values()))} tokens; kiln steps a decoder token by token")
+    for a in log.assumptions:
+        say(f"note: traced for the branch the model takes at {a['where']} ({a['value']} on tensor data); the runtime "
+            "checks it on every run and refuses an input that would take the other branch")
+    for size in log.blocks.values():
+        say(f"note: the graph takes {axis} lengths in blocks of {size} (the model pads to them itself); the runtime "
+            "pads each request to whole blocks, masked, and cuts the outputs back")
+
+
 def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: Path, options: CompileOptions,
                    say: Progress) -> dict[str, Any]:
     say(f"export {ckpt.architecture} ({ckpt.task}) to an encoder and a decoder graph, ONNX opset {options.opset}")
-    logs = trace_seq2seq.export(ckpt, root, options.opset)
+    logs, width = trace_seq2seq.export(ckpt, root, options.opset)
+    traced_fixes(ckpt, logs[trace_seq2seq.DECODER], True, say, "sequence")
+    traced_fixes(ckpt, logs[trace_seq2seq.ENCODER], False, say, "source")
     s = trace_seq2seq.shapes(ckpt)
     # one MultiHeadAttention per encoder layer; self + cross per decoder layer
     encoder, decoder = ckpt.model.get_encoder(), ckpt.model.get_decoder()
@@ -168,10 +191,14 @@ def _build_seq2seq(ckpt: Checkpoint, facts: ModelFacts, names: list[str], root: 
         summaries[graph.split(".")[0]] = summary
     for problem in problems:
         say(f"note: {problem}; verified on the fallback (--require-fusion refuses it)")
-    spec = trace_seq2seq.io(ckpt)
+    if width:
+        say(f"note: the decoder's cache takes {width} new token per step (the model refuses more), so the decoder "
+            "graph is traced at that width; generation feeds one token per step")
+    spec = trace_seq2seq.io(ckpt, width)
     data = manifest_lib.base(ckpt, facts, options, record, spec["encoder"]["inputs"], spec["encoder"]["outputs"],
                              {"encoder": trace_seq2seq.ENCODER, "decoder": trace_seq2seq.DECODER})
     manifest_lib.add_seq2seq(data, ckpt, facts, options, (spec["decoder"]["inputs"], spec["decoder"]["outputs"]))
+    manifest_lib.add_traced(data, "encoder", logs[trace_seq2seq.ENCODER], ckpt, "source")
     data["attention"] = summaries
     return data
 

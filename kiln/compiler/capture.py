@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler import decided
 from kiln.compiler.expert_loops import dense_loops
 from kiln.compiler.exportable import exportable
 from kiln.errors import UnsupportedModelError
@@ -81,7 +82,16 @@ def _onnx(q, k, v, mask=None, sinks=None, bias=None, scale: float = 1.0, softcap
                                 kv_heads=int(k.shape[1]), head_size=int(q.shape[3]), v_head_size=int(v.shape[3]))
 
 
-TRANSLATIONS = {torch.ops.kiln.attention.default: _onnx}
+def _all_true(x):
+    """``aten._is_all_true``: the operand of a data check (``torch._check`` on a tensor, transformers'
+    ``torch_compilable_check``). The exporter drops the assertion that reads it and the optimizer then this node, but
+    torch's ONNX library has no translation for it, so without one the export stops."""
+    from onnxscript import opset18 as op
+
+    return op.Cast(op.ReduceMin(op.Cast(x, to=6), keepdims=0), to=9)  # int32 min over every element -> bool
+
+
+TRANSLATIONS = {torch.ops.kiln.attention.default: _onnx, torch.ops.aten._is_all_true.default: _all_true}
 """For ``torch.onnx.export(custom_translation_table=...)``."""
 
 
@@ -91,6 +101,10 @@ class Log:
 
     captured: int = 0
     delegated: list[dict[str, Any]] = field(default_factory=list)
+    assumptions: list[dict[str, Any]] = field(default_factory=list)
+    """Decisions on tensor data the graph was traced for (``kiln.compiler.decided``): output, value, where."""
+    blocks: dict[str, int] = field(default_factory=dict)
+    """Dynamic axis name -> the block its length is traced in (``kiln.compiler.decided.in_blocks``)."""
 
     def delegate(self, module: Any, why: str) -> None:
         entry = {"module": type(module).__name__, "layer": _layer(module), "why": why}
@@ -184,21 +198,102 @@ def export(module: torch.nn.Module, args: tuple, *, source: str, dynamic_shapes:
            **kwargs: Any) -> tuple[Any, Log]:
     """``torch.onnx.export(dynamo=True)`` with attention captured (and the forms the exporter cannot take rewritten:
     ``kiln.compiler.exportable``): the ONNX program and what the capture saw.
-    ``source`` names the checkpoint in errors. Raises UnsupportedModelError when the graph fixes an axis that
-    ``dynamic_shapes`` declares dynamic: the exporter's fallbacks accept a forward whose Python depends on that
-    length (a loop over tokens, as in state-space and recurrent layers), and such a graph serves one length only."""
-    with capture() as log, exportable(), dense_loops(module):
+    ``source`` names the checkpoint in errors. An export that stops on a Python decision about tensor data, or on a
+    length the forward needs in whole blocks, is retried as ``kiln.compiler.decided`` says (the log records the
+    decisions and blocks). Raises UnsupportedModelError when the graph fixes an axis that ``dynamic_shapes``
+    declares dynamic: the exporter's fallbacks accept a forward whose Python depends on that length (a loop over
+    tokens, as in state-space and recurrent layers), and such a graph serves one length only."""
+    recorded: list[decided.Decision] = []
+    blocks: dict[str, int] = {}
+    probe = False
+    while True:
+        if probe:  # a retry with decisions: torch.export alone first, which names a length in blocks sooner
+            probe = False
+            dim, size = _block(_refusal(module, args, dynamic_shapes, recorded), dynamic_shapes, blocks)
+            if dim is not None:
+                blocks[dim.__name__] = size
+                dynamic_shapes, args = decided.in_blocks(dynamic_shapes, args, dim, size)
+                continue
+        try:
+            program, log = _export(module, args, dynamic_shapes, recorded, kwargs)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:
+            if not recorded and decided.data_dependent(e):
+                recorded = decided.record(module, args)
+                if recorded:
+                    probe = True
+                    continue
+            dim, size = _block(e, dynamic_shapes, blocks)
+            if dim is None:
+                raise
+            blocks[dim.__name__] = size
+            dynamic_shapes, args = decided.in_blocks(dynamic_shapes, args, dim, size)
+            continue
+        fixed = fixed_axes(program.model.graph.inputs, dynamic_shapes)
+        if not fixed:
+            break
+        # the exporter fell back to a fixed length: torch.export's own refusal names the guards that fixed it
+        dim, size = _block(_refusal(module, args, dynamic_shapes, recorded), dynamic_shapes, blocks, fixed[0][2])
+        if dim is None:
+            name, axis, dim_name, length = fixed[0]
+            raise UnsupportedModelError(
+                f"{source}: the traced graph fixes {name} axis {axis} ({dim_name}) to {length}, so it would serve "
+                "that one length only: the model's forward computes with the length as a Python number (a loop over "
+                "tokens, as in state-space and recurrent layers, or a table built for it); kiln compiles graphs for "
+                "any batch and length, so this architecture cannot be compiled")
+        blocks[dim.__name__] = size
+        dynamic_shapes, args = decided.in_blocks(dynamic_shapes, args, dim, size)
+    log.blocks = blocks
+    return program, log
+
+
+def _block(e: BaseException | None, dynamic_shapes: Any, blocks: dict[str, int],
+           name: str | None = None) -> tuple[Any, int]:
+    """The first dynamic dimension (``name``'s, when given) not yet in blocks whose length ``e`` says must come in
+    whole blocks, and the block; (None, 0) when none."""
+    for d in _dims(dynamic_shapes):
+        if e is not None and d.__name__ not in blocks and name in (None, d.__name__):
+            size = decided.block(e, d)
+            if size:
+                return d, size
+    return None, 0
+
+
+def _refusal(module: torch.nn.Module, args: tuple, dynamic_shapes: Any,
+             recorded: list[decided.Decision]) -> BaseException | None:
+    """What ``torch.export`` itself says about these dynamic shapes (the ONNX exporter falls back without it)."""
+    replay = decided.replaying(module, recorded) if recorded else contextlib.nullcontext()
+    try:
+        with capture(), exportable(), dense_loops(module), replay:
+            torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # the refusal is the answer
+        return e
+    return None
+
+
+def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: Any, recorded: list[decided.Decision],
+            kwargs: dict[str, Any]) -> tuple[Any, Log]:
+    replay = decided.replaying(module, recorded) if recorded else contextlib.nullcontext([])
+    with capture() as log, exportable(), dense_loops(module), replay as taken:
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS,
                                     dynamic_shapes=dynamic_shapes, **kwargs)
-    fixed = fixed_axes(program.model.graph.inputs, dynamic_shapes)
-    if fixed:
-        name, axis, dim, size = fixed[0]
-        raise UnsupportedModelError(
-            f"{source}: the traced graph fixes {name} axis {axis} ({dim}) to {size}, so it would serve that one "
-            "length only: the model's forward computes with the length as a Python number (a loop over tokens, as "
-            "in state-space and recurrent layers, or a table built for it); kiln compiles graphs for any batch and "
-            "length, so this architecture cannot be compiled")
+    outputs = program.model.graph.outputs
+    for i, d in enumerate(taken):  # the conditions come last, named by the exporter: give them kiln's names
+        outputs[len(outputs) - len(taken) + i].name = decided.OUTPUT.format(i)
+        log.assumptions.append({"output": decided.OUTPUT.format(i), "value": d.value, "where": d.where})
     return program, log
+
+
+def _dims(spec: Any) -> list[Any]:
+    """The dynamic dimensions named in a ``dynamic_shapes`` tree, each once, in order (not those derived from
+    another, such as a length already in blocks)."""
+    if isinstance(spec, torch.export.Dim):
+        return [] if hasattr(spec, "root") else [spec]
+    found: list[Any] = []
+    for v in spec.values() if isinstance(spec, dict) else spec if isinstance(spec, (tuple, list)) else ():
+        found += [d for d in _dims(v) if all(d is not f for f in found)]
+    return found
 
 
 def fixed_axes(inputs: Any, dynamic_shapes: dict) -> list[tuple[str, int, str, int]]:
@@ -226,6 +321,8 @@ def fixed_axes(inputs: Any, dynamic_shapes: dict) -> list[tuple[str, int, str, i
     for value, axes in zip(inputs, declared):
         shape = value.shape
         for axis, dim in (axes or {}).items():
+            if dim is None or dim is torch.export.Dim.STATIC:  # declared fixed
+                continue
             if shape is not None and axis < len(shape) and isinstance(shape[axis], int):
                 out.append((value.name, axis, getattr(dim, "__name__", str(dim)), int(shape[axis])))
     return out

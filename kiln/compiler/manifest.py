@@ -76,6 +76,19 @@ def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: l
     return data
 
 
+def add_traced(data: dict[str, Any], graph: str, log: Any, ckpt: Checkpoint, axis: str) -> None:
+    """What the trace had to fix (``kiln.compiler.decided``): the decisions on tensor data the graph was traced for
+    (``assumptions``, per graph, checked by the runtime on every run) and the block its ``axis`` length comes in
+    (``length_multiple``: the runtime pads requests to it with the model's pad id, masked)."""
+    if log.assumptions:
+        data.setdefault("assumptions", {})[graph] = log.assumptions
+    if log.blocks:
+        pad = getattr(ckpt.config, "pad_token_id", None)
+        size = next(iter(log.blocks.values()))
+        data["length_multiple"] = {"axis": axis, "multiple": int(size),
+                                   "pad_token_id": int(pad) if isinstance(pad, int) and 0 <= pad < (ckpt.vocab_size or pad + 1) else 0}
+
+
 def kv_names(layers: int) -> dict[str, list[str]]:
     return {
         "past": [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")],

@@ -7,6 +7,8 @@
 - ``decoder.onnx``: (decoder_input_ids, encoder_attention_mask, past self-attention keys/values,
   cross keys/values) -> logits and the present self-attention keys/values. The wrapper rebuilds
   Hugging Face's ``EncoderDecoderCache`` from the inputs, so the decoder is the model's own code.
+  A decoder whose cache takes one new token at a time (ProphetNet asserts it) is traced at one token
+  per step (``step_width``): generation feeds one token per step anyway, and the graph's contract says so.
 
 Verification (``kiln.compiler.verify.generation.verify_seq2seq``) is greedy decoding through both
 graphs against Hugging Face ``generate``.
@@ -110,8 +112,10 @@ class DecoderGraph(nn.Module):
 names = kv_names
 
 
-def io(ckpt: Checkpoint) -> dict[str, dict[str, list[TensorSpec]]]:
+def io(ckpt: Checkpoint, width: int | None = None) -> dict[str, dict[str, list[TensorSpec]]]:
+    """Both graphs' contracts; ``width``: the decoder's new tokens per step when the trace fixed them (1)."""
     s = shapes(ckpt)
+    step: str | int = "sequence" if width is None else width
     n = names(s["layers"])
     cross = ("batch", s["heads"], "source", s["head_size"])
     past = ("batch", s["heads"], "past_sequence", s["head_size"])
@@ -121,21 +125,36 @@ def io(ckpt: Checkpoint) -> dict[str, dict[str, list[TensorSpec]]]:
         "encoder": {"inputs": [TensorSpec("input_ids", "int64", ("batch", "source")),
                                TensorSpec("attention_mask", "int64", ("batch", "source"), True, "ones")],
                     "outputs": [TensorSpec(c, "float32", cross) for c in n["cross"]]},
-        "decoder": {"inputs": [TensorSpec("decoder_input_ids", "int64", ("batch", "sequence")),
+        "decoder": {"inputs": [TensorSpec("decoder_input_ids", "int64", ("batch", step)),
                                TensorSpec("encoder_attention_mask", "int64", ("batch", "source"))]
                     + [t for i in range(s["layers"]) for t in (
                         TensorSpec(n["past"][2 * i], "float32", past, True, "empty"),
                         TensorSpec(n["past"][2 * i + 1], "float32", past, True, "empty"),
                         TensorSpec(n["cross"][2 * i], "float32", cross), TensorSpec(n["cross"][2 * i + 1], "float32", cross))],
-                    "outputs": [TensorSpec("logits", "float32", ("batch", "sequence", vocab))]
+                    "outputs": [TensorSpec("logits", "float32", ("batch", step, vocab))]
                     + [TensorSpec(p, "float32", present) for p in n["present"]]},
     }
 
 
-def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
-    """Trace both graphs, attention captured; returns what the capture saw in each."""
+def step_width(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor, kv: list[torch.Tensor]) -> int | None:
+    """None when the cached decoder takes several new tokens at once (the graph's ``sequence`` axis stays free);
+    1 when it refuses two but runs one, as a decoder whose cache only steps token by token does; the error of two
+    when it runs neither (the export would fail on it too)."""
+    try:
+        decoder(ids[:, :2], mask, *kv)
+        return None
+    except Exception as two:  # the family's own check, of any type
+        try:
+            decoder(ids[:, :1], mask, *kv)
+        except Exception:
+            raise two from None
+        return 1
+
+
+def export(ckpt: Checkpoint, root: Path, opset: int) -> tuple[dict[str, capture.Log], int | None]:
+    """Trace both graphs, attention captured; returns what the capture saw in each and the decoder's fixed step
+    width (``step_width``; None: any number of new tokens)."""
     s = shapes(ckpt)
-    spec = io(ckpt)
     batch = torch.export.Dim("batch", min=1, max=1024)
     source = torch.export.Dim("source", min=1, max=max(ckpt.max_length, 9))
     seq = torch.export.Dim("sequence", min=1, max=max(ckpt.max_length, 9))
@@ -149,7 +168,8 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
             cross = enc(ids, mask)
             program, log = capture.export(
                 enc, (ids, mask), dynamic_shapes={"input_ids": {0: batch, 1: source}, "attention_mask": {0: batch, 1: source}},
-                input_names=[t.name for t in spec["encoder"]["inputs"]], output_names=[t.name for t in spec["encoder"]["outputs"]],
+                input_names=[t.name for t in io(ckpt)["encoder"]["inputs"]],
+                output_names=[t.name for t in io(ckpt)["encoder"]["outputs"]],
                 source=f"{ckpt.path} ({ckpt.architecture})", opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / ENCODER))
             kv: list[torch.Tensor] = []
@@ -157,10 +177,13 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
                 own = torch.randn(2, s["heads"], 3, s["head_size"])
                 kv += [own, own.clone(), cross[2 * i], cross[2 * i + 1]]
             kv_dims = tuple({0: batch, 2: past} if j % 4 < 2 else {0: batch, 2: source} for j in range(len(kv)))
+            decoder = DecoderGraph(ckpt).eval()
+            width = step_width(decoder, ids, mask, kv)
+            spec = io(ckpt, width)
             program, decoder_log = capture.export(
-                DecoderGraph(ckpt).eval(), (ids[:, :2], mask, *kv),
-                dynamic_shapes={"decoder_input_ids": {0: batch, 1: seq}, "encoder_attention_mask": {0: batch, 1: source},
-                                "kv": kv_dims},
+                decoder, (ids[:, :width or 2], mask, *kv),
+                dynamic_shapes={"decoder_input_ids": {0: batch, 1: seq if width is None else torch.export.Dim.STATIC},
+                                "encoder_attention_mask": {0: batch, 1: source}, "kv": kv_dims},
                 input_names=[t.name for t in spec["decoder"]["inputs"]], output_names=[t.name for t in spec["decoder"]["outputs"]],
                 source=f"{ckpt.path} ({ckpt.architecture})", opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / DECODER))
@@ -170,4 +193,4 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> dict[str, capture.Log]:
         first = capture.failure(e)
         raise ExportError(f"torch.onnx.export failed for {ckpt.path} ({ckpt.architecture}): {first}; "
                           "report it with the checkpoint's config.json") from e
-    return {ENCODER: log, DECODER: decoder_log}
+    return {ENCODER: log, DECODER: decoder_log}, width

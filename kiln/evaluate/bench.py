@@ -35,16 +35,13 @@ class System:
 
 
 def artifact_system(path: str | Path, threads: int | None, backend: str = "onnxruntime") -> tuple[System, kr.Model]:
-    from kiln.runtimes.base import prepare_feeds
-
     model = kr.load(path, backend=backend, threads=threads, session_config={"session.intra_op.allow_spinning": "0"})
     decoder = "kv_cache" in model.manifest.data
     seq2seq = "encoder" in model.runtimes
 
     def forward(ids: np.ndarray, mask: np.ndarray) -> Any:
         if seq2seq:  # the encoder pass: what a request costs before its first decoder step
-            feeds = prepare_feeds(model.manifest.inputs, {"input_ids": ids, "attention_mask": mask}, model.max_sequence_length)
-            return model.runtimes["encoder"].run(feeds)
+            return model.run_encoder(ids, mask)[0]
         return model.run({"input_ids": ids, "attention_mask": mask})
 
     def generate(ids: np.ndarray, new: int) -> Any:

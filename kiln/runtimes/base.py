@@ -105,6 +105,9 @@ class Runtime(abc.ABC):
     """A backend that runs one artifact graph: ``load``, then ``run`` any number of times, then ``close``."""
 
     name: str = ""
+    assumed: list[dict[str, Any]] = []
+    """The graph's assumption outputs (the manifest's ``assumptions`` for it): ``run`` checks and drops them."""
+    graph: str = "model"
 
     def cache_runner(self, kv: dict, batch: int, length: int | None = None) -> CacheRunner:
         """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``); ``length``: the
@@ -144,6 +147,57 @@ class Runtime(abc.ABC):
 
 
 TOKEN_INPUTS = ("input_ids", "decoder_input_ids")
+
+
+def check_assumptions(values: dict[str, np.ndarray], assumed: list[dict[str, Any]], graph: str) -> dict[str, np.ndarray]:
+    """``values`` without the graph's assumption outputs (``kiln.compiler.decided``), after checking each holds the
+    value the graph was traced for: a different one means this input takes a branch of the model's code that the
+    graph does not contain, so its outputs would be wrong."""
+    for a in assumed:
+        got = values.pop(a["output"], None)
+        if got is None:
+            raise ArtifactError(f"the {graph} graph has no output {a['output']}, which its manifest's assumptions "
+                                "name; compile the artifact again")
+        if bool(np.asarray(got).any()) != bool(a["value"]):
+            raise InputError(f"this input takes the other branch at {a['where']} (the {graph} graph was compiled for "
+                             f"{bool(a['value'])} there, these inputs give {not a['value']}), so the graph cannot "
+                             "compute it; feed inputs of the kind it was compiled for (a mask of 0 and 1), or run "
+                             "the model in PyTorch")
+    return values
+
+
+def in_blocks(specs: list[TensorSpec], arrays: dict[str, np.ndarray],
+              blocks: dict[str, Any] | None) -> tuple[dict[str, np.ndarray], int | None]:
+    """Feeds right-padded to whole blocks of the manifest's ``length_multiple`` (a graph traced for lengths in
+    blocks): token ids with the model's pad id, every other input (masks, token types) with 0, so the padding is
+    masked as the model's own padding would be. Returns the feeds and the length before padding (None: none)."""
+    if not blocks:
+        return arrays, None
+    axis_name, size = blocks["axis"], int(blocks["multiple"])
+    length = None
+    out = dict(arrays)
+    for spec in specs:
+        if axis_name not in spec.shape or spec.name not in out:
+            continue
+        axis = spec.shape.index(axis_name)
+        arr = out[spec.name]
+        length = arr.shape[axis]
+        if length % size:
+            widths = [(0, -length % size if i == axis else 0) for i in range(arr.ndim)]
+            fill = int(blocks["pad_token_id"]) if spec.name in TOKEN_INPUTS else 0
+            out[spec.name] = np.pad(arr, widths, constant_values=fill)
+    return out, length
+
+
+def cut_blocks(specs: list[TensorSpec], values: dict[str, np.ndarray], blocks: dict[str, Any] | None,
+               length: int | None) -> dict[str, np.ndarray]:
+    """Outputs with the padded axis (``in_blocks``) cut back to the request's ``length``."""
+    if not blocks or length is None:
+        return values
+    for spec in specs:
+        if blocks["axis"] in spec.shape and spec.name in values:
+            values[spec.name] = np.take(values[spec.name], np.arange(length), axis=spec.shape.index(blocks["axis"]))
+    return values
 
 
 def check_token_ids(name: str, ids: np.ndarray, vocab_size: int | None) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
-from kiln.runtimes.base import Runtime, check_token_ids, prepare_feeds
+from kiln.runtimes.base import Runtime, check_token_ids, cut_blocks, in_blocks, prepare_feeds
 from kiln.runtimes.generation import as_prompt, as_source, seq2seq_steps, steps, stream_text
 from kiln.runtimes.sampling import GenerateOptions, Sampling
 from kiln.runtimes.tokenizer import TextEncoder
@@ -43,9 +43,12 @@ class Model:
         return self.manifest.max_sequence_length
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Validate feeds (names, dtypes, ranks, lengths), fill optional inputs, run the graph."""
+        """Validate feeds (names, dtypes, ranks, lengths), fill optional inputs, run the graph (a graph traced for
+        lengths in whole blocks: padded to them, outputs cut back)."""
         arrays = prepare_feeds(self.manifest.inputs, feeds, self.max_sequence_length, self.vocab_size)
-        return self.runtime.run(arrays)
+        blocks = self.manifest.data.get("length_multiple")
+        arrays, length = in_blocks(self.manifest.inputs, arrays, blocks)
+        return cut_blocks(self.manifest.outputs, self.runtime.run(arrays), blocks, length)
 
     @property
     def vocab_size(self) -> int | None:
@@ -108,9 +111,16 @@ class Model:
 
     def seq2seq_runner(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:
         """Encoder-decoders: run the encoder once; the runner steps the decoder over its cache."""
-        cross = self.runtimes["encoder"].run(prepare_feeds(self.manifest.inputs, {"input_ids": input_ids,
-                                             "attention_mask": attention_mask}, self.max_sequence_length))
-        return self.runtimes["decoder"].seq2seq_runner(self.manifest.data["kv_cache"], cross, attention_mask)
+        cross, mask = self.run_encoder(input_ids, attention_mask)
+        return self.runtimes["decoder"].seq2seq_runner(self.manifest.data["kv_cache"], cross, mask)
+
+    def run_encoder(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Encoder-decoders: the encoder's cross keys/values for a source, and the mask the decoder reads them
+        under (the source padded to whole blocks where the graph takes lengths in blocks)."""
+        feeds = prepare_feeds(self.manifest.inputs, {"input_ids": input_ids, "attention_mask": attention_mask},
+                              self.max_sequence_length)
+        feeds, _ = in_blocks(self.manifest.inputs, feeds, self.manifest.data.get("length_multiple"))
+        return self.runtimes["encoder"].run(feeds), feeds["attention_mask"]
 
     def stream(self, prompt: str, max_new_tokens: int = _D.max_new_tokens, do_sample: bool = _D.do_sample,
                temperature: float = _D.temperature, top_k: int = _D.top_k, top_p: float = _D.top_p,

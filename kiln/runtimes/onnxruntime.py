@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from kiln.errors import ArtifactError, ClosedError, GraphRunError
 from kiln.runtimes.artifact import Manifest, cache_shape
-from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner
+from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner, check_assumptions
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class OnnxRuntime(Runtime):
         except Exception as e:  # ORT raises its own untyped errors
             raise _load_failure(e, path, manifest, self.providers) from e
         self._path = str(path)
+        self.graph, self.assumed = graph, (manifest.data.get("assumptions") or {}).get(graph, [])
         self._output_names = [o.name for o in self._session.get_outputs()]
         # The manifest may list inputs the graph no longer reads (eliminate-unused-io): accepted, not fed.
         self._input_names = {i.name for i in self._session.get_inputs()}
@@ -73,7 +74,7 @@ class OnnxRuntime(Runtime):
             values = session.run(self._output_names, {k: v for k, v in feeds.items() if k in self._input_names})
         except Exception as e:  # feeds were validated: a failure here is the graph's
             raise _failure(e) from e
-        return dict(zip(self._output_names, values))
+        return check_assumptions(dict(zip(self._output_names, values)), self.assumed, self.graph)
 
     def close(self) -> None:
         self._session = None

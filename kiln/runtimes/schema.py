@@ -1,6 +1,7 @@
 """The manifest's JSON Schema (``manifest.schema.json``, draft 2020-12) and a validator for the part of JSON Schema
 it uses: ``type``, ``enum``, ``required``, ``properties``, ``additionalProperties``, ``items``, ``anyOf``, ``$ref``
-into ``$defs``, ``minimum``, ``minLength``, ``minItems``, ``minProperties``, ``pattern``.
+into ``$defs``, ``minimum`` / ``maximum``, ``minLength`` / ``maxLength``, ``minItems`` / ``maxItems``, ``minProperties`` /
+``maxProperties``, ``pattern``.
 
 Written here rather than taken from the ``jsonschema`` package: the runtime installs with numpy and onnxruntime
 alone (an edge app), and this is all the manifest needs. The tests check it against ``jsonschema`` itself on every
@@ -27,7 +28,7 @@ _TYPES = {
 }
 _HANDLED = {"$schema", "$id", "$defs", "title", "description", "type", "enum", "required", "properties",
             "additionalProperties", "items", "anyOf", "$ref", "minimum", "minLength", "minItems", "minProperties",
-            "pattern"}
+            "pattern", "maximum", "maxLength", "maxItems", "maxProperties"}
 
 
 @cache
@@ -88,14 +89,20 @@ def _check(v: Any, s: dict[str, Any], root: dict[str, Any], path: tuple) -> str 
         return f"{where} is {json.dumps(v)[:40]}, which fits none of its allowed forms"
     if _TYPES["number"](v) and "minimum" in s and v < s["minimum"]:
         return f"{where} is {v}, below the minimum {s['minimum']}"
+    if _TYPES["number"](v) and "maximum" in s and v > s["maximum"]:
+        return f"{where} is {v}, above the maximum {s['maximum']}"
     if isinstance(v, str):
         if len(v) < s.get("minLength", 0):
             return f"{where} is empty"
+        if len(v) > s.get("maxLength", len(v)):
+            return f"{where} is {len(v)} characters long, more than {s['maxLength']}"
         if "pattern" in s and not re.search(s["pattern"], v):
             return f"{where} {v[:40]!r} does not match {s['pattern']}"
     if isinstance(v, list):
         if len(v) < s.get("minItems", 0):
             return f"{where} has {len(v)} entries, fewer than {s['minItems']}"
+        if len(v) > s.get("maxItems", len(v)):
+            return f"{where} has {len(v)} entries, more than {s['maxItems']}"
         if "items" in s:
             for i, item in enumerate(v):
                 problem = _check(item, s["items"], root, path + (i,))
@@ -104,6 +111,8 @@ def _check(v: Any, s: dict[str, Any], root: dict[str, Any], path: tuple) -> str 
     if isinstance(v, dict):
         if len(v) < s.get("minProperties", 0):
             return f"{where} is empty"
+        if len(v) > s.get("maxProperties", len(v)):
+            return f"{where} has {len(v)} fields, more than {s['maxProperties']}"
         missing = [k for k in s.get("required", ()) if k not in v]
         if missing:
             return f"{where} lacks {', '.join(missing)}"

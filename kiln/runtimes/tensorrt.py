@@ -36,7 +36,7 @@ import numpy as np
 
 from kiln.errors import ArtifactError, InputError, KilnError, UsageError
 from kiln.runtimes.artifact import Manifest, cache_shape, read_manifest
-from kiln.runtimes.base import CacheRunner, Runtime
+from kiln.runtimes.base import CacheRunner, Runtime, check_assumptions
 from kiln.runtimes.cuda import CudaDriver, compute_capability
 from kiln.runtimes.engines import (
     EngineRecord,
@@ -234,6 +234,7 @@ class TensorRTRuntime(Runtime):
         self._dtypes = {n: np.dtype(trt.nptype(self._engine.get_tensor_dtype(n))) for n in names}
         self._profiles = {n: tuple(tuple(d) for d in self._engine.get_tensor_profile_shape(n, 0)) for n in self._inputs}
         self.plan = plan
+        self.graph, self.assumed = graph, (manifest.data.get("assumptions") or {}).get(graph, [])
 
     def _buffer(self, name: str, nbytes: int) -> int:
         assert self._cuda is not None
@@ -246,7 +247,7 @@ class TensorRTRuntime(Runtime):
         return ptr
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.execute(feeds, {}, {}, None)
+        return check_assumptions(self.execute(feeds, {}, {}, None), self.assumed, self.graph)
 
     def execute(self, feeds: Mapping[str, np.ndarray], device_inputs: Mapping[str, tuple[int, tuple[int, ...]]],
                 device_outputs: Mapping[str, int], fetch: list[str] | None) -> dict[str, np.ndarray]:

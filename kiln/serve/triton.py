@@ -112,6 +112,12 @@ def export(artifact: str | Path, out: str | Path, name: str | None = None, max_b
     if manifest.kind == "seq2seq":
         raise UsageError(f"{artifact} is an encoder-decoder (two graphs); kiln export triton writes single-graph "
                          "artifacts (encoders, decoders)")
+    kept = [why for key, why in (("assumptions", "checks the branches the graph was traced for on every run"),
+                                 ("length_multiple", "pads each request to the graph's whole blocks"))
+            if manifest.data.get(key)]
+    if kept:
+        raise UsageError(f"{artifact}: kiln's runtime {' and '.join(kept)}, which Triton's ONNX Runtime backend "
+                         "does not do; serve it with kiln serve")
     name = name or Path(artifact).absolute().name
     if not _NAME.match(name):
         raise UsageError(f"--name {name!r}: Triton model names take letters, digits, '_', '-' and '.'")

@@ -105,3 +105,26 @@ def test_fixed_axes_pairs_nested_dynamic_shapes_with_the_graph_inputs_in_order()
     inputs[0] = NS(name="ids", shape=("b", 8))
     assert capture.fixed_axes(inputs, spec) == [("ids", 1, "sequence", 8), ("v", 2, "sequence", 8)]
     assert capture.fixed_axes(inputs[:3], spec) == []  # an input dropped: no pairing is trusted
+    spec["ids"] = {0: batch, 1: torch.export.Dim.STATIC}  # declared fixed (a decoder stepping one token): not reported
+    assert capture.fixed_axes(inputs, spec) == [("v", 2, "sequence", 8)]
+
+
+def test_a_cached_decoder_that_steps_one_token_is_traced_at_one():
+    """ProphetNet's decoder asserts one new token per cached step: its graph is traced at that width."""
+    from kiln.compiler.trace_seq2seq import step_width
+
+    class Steps(torch.nn.Module):
+        def __init__(self, most):
+            super().__init__()
+            self.most = most
+
+        def forward(self, ids, mask, *kv):
+            if ids.shape[1] > self.most:
+                raise AssertionError(f"at most {self.most} new token(s) with a cache")
+            return ids
+
+    ids, mask = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    assert step_width(Steps(8), ids, mask, []) is None
+    assert step_width(Steps(1), ids, mask, []) == 1
+    with pytest.raises(AssertionError, match="at most 0"):  # runs neither: the two-token error is the one raised
+        step_width(Steps(0), ids, mask, [])

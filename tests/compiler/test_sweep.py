@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, fast_options
 from kiln.compiler import compile
+from kiln.errors import InputError
 
 sys.path.insert(0, str(ROOT / "tools"))
 import sweep_architectures as sweep  # noqa: E402
@@ -160,3 +162,39 @@ def test_a_model_whose_generate_feeds_more_than_tokens_is_named(tmp_path):
            "generate_inputs": got["xlnet"]}
     line = " ".join(failures({"generation": gen, "cases": []}))
     assert "feeds its forward perm_mask, target_mapping" in line and "left-padded" not in line
+
+
+TRACE_FIXES = {
+    # model type: what the trace had to fix, as the manifest records it (kiln/compiler/decided.py, trace_seq2seq.py)
+    "longformer": "model",  # global attention decided on the mask; lengths padded to its attention window
+    "led": "encoder",  # the same in an encoder-decoder's encoder: the decoder reads the padded source
+    "prophetnet": "decoder",  # a cache that takes one new token at a time: the decoder graph steps one token
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(TRACE_FIXES))
+def test_a_forward_that_stops_the_exporter_compiles_with_what_the_trace_fixed(tmp_path, model_type):
+    import kiln.runtimes as kr
+
+    task = sweep.model_types()[model_type]
+    assert sweep.build(model_type, task, tmp_path / "ckpt")[0] is None
+    out = compile(tmp_path / "ckpt", tmp_path / "art", fast_options(max_length=128, verify_max_length=32))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verification"]["status"] == "passed"
+    graph = TRACE_FIXES[model_type]
+    if graph == "decoder":
+        assert manifest["decoder"]["inputs"][0]["shape"] == ["batch", 1] and "length_multiple" not in manifest
+        assert manifest["verification"]["generation"]["tokens_identical"]
+        return
+    blocks = manifest["length_multiple"]
+    assert blocks["axis"] == ("sequence" if graph == "model" else "source") and blocks["multiple"] > 1
+    (assumption,) = manifest["assumptions"][graph]
+    assert assumption["value"] is False and assumption["where"].startswith(f"modeling_{model_type}.py:")
+    model = kr.load(out)
+    ids = np.array([[5, 6, 7, 8, 9]])
+    if graph == "model":  # padded to whole blocks and cut back
+        assert model.run({"input_ids": ids})["last_hidden_state"].shape[:2] == (1, 5)
+    else:
+        assert model.generate(ids, max_new_tokens=3, stop_token_ids=[]).shape == (1, 4)
+    with pytest.raises(InputError, match="other branch"):  # a global token (mask 2): the branch not traced
+        model.run({"input_ids": ids, "attention_mask": np.array([[2, 1, 1, 1, 1]])})

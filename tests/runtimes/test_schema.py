@@ -78,6 +78,19 @@ def test_kiln_agrees_with_jsonschema_on_damaged_manifests(manifests):
     # a key of the damaged manifest's own, quoted and escaped: the error stays one line (a fuzz seed found it)
     (("dynamic_axes", "\n"), None, 'dynamic_axes["\\n"] is null, not object'),
     (("dynamic_axes", "x" * 10_000), None, 'dynamic_axes["' + "x" * 40 + '"] is null, not object'),
+    # what a traced graph asks of the runtime (kiln.compiler.decided): bounded before it is used
+    (("length_multiple",), {"axis": "sequence", "multiple": 1, "pad_token_id": 0},
+     "length_multiple.multiple is 1, below the minimum 2"),
+    (("length_multiple",), {"axis": "sequence", "multiple": 10**9, "pad_token_id": 0},
+     "length_multiple.multiple is 1000000000, above the maximum 65536"),
+    (("length_multiple",), {"axis": "past_sequence", "multiple": 16, "pad_token_id": 0},
+     'length_multiple.axis is "past_sequence", not one of "sequence", "source"'),
+    (("assumptions",), {"model": [{"output": "o" * 100, "value": False, "where": "x.py:1"}]},
+     "assumptions.model[0].output is 100 characters long, more than 64"),
+    (("assumptions",), {"model": [{"output": "o", "value": False, "where": "x.py:1"}] * 65},
+     "assumptions.model has 65 entries, more than 64"),
+    (("assumptions",), {"model": [{"output": "o", "value": "no", "where": "x.py:1"}]},
+     'assumptions.model[0].value is "no", not boolean'),
 ])
 def test_load_names_the_damaged_field(artifacts, tmp_path, path, value, message):
     art = tmp_path / "a"
@@ -105,11 +118,11 @@ def test_rules_across_sections(artifacts, seq2seq_artifacts):
 
 def test_a_keyword_the_validator_does_not_check_is_refused(monkeypatch, tmp_path):
     path = tmp_path / "s.json"
-    path.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}))
+    path.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}))
     monkeypatch.setattr(schema_lib, "SCHEMA_FILE", path)
     schema_lib.manifest_schema.cache_clear()
     try:
-        with pytest.raises(ValueError, match="uses maximum"):
+        with pytest.raises(ValueError, match="uses multipleOf"):
             schema_lib.manifest_schema()
     finally:
         schema_lib.manifest_schema.cache_clear()

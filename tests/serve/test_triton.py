@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -77,6 +78,13 @@ def test_bad_exports_are_one_line_errors(artifacts, seq2seq_artifacts, tmp_path,
     assert main(["export", "triton", str(artifacts["bert"]), "-o", str(repo), "--name", "a b"]) == 2
     assert main(["export", "triton", str(seq2seq_artifacts["t5"]), "-o", str(repo)]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
+    padded = tmp_path / "padded"  # a graph traced for lengths in blocks: Triton would feed it any length
+    shutil.copytree(artifacts["bert"], padded)
+    data = json.loads((padded / "manifest.json").read_text())
+    data["length_multiple"] = {"axis": "sequence", "multiple": 16, "pad_token_id": 0}
+    (padded / "manifest.json").write_text(json.dumps(data))
+    assert main(["export", "triton", str(padded), "-o", str(repo)]) == 2
+    assert "pads each request to the graph's whole blocks" in capsys.readouterr().err
     assert sorted(p.name for p in repo.iterdir()) == ["bert"]  # no staging directory left behind
 
 
