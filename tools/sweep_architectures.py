@@ -361,8 +361,23 @@ def summarise(artifact: Path) -> dict:
            "lowered": {k: v for s in sections.values() for k, v in s.get("lowered", {}).items()}}
     notes = (["no KV cache"] if no_cache else []) + why + [w for s in sections.values()
                                                            for w in s.get("experts", {}).get("unfused_why", [])]
+    out["traced"] = traced(manifest)
+    notes = out["traced"] + notes
     if notes:
         out["reason"] = "; ".join(dict.fromkeys(notes))[:300]
+    return out
+
+
+def traced(manifest: dict) -> list[str]:
+    """What the trace had to fix, as the manifest records it (docs/models.md#when-the-export-stops)."""
+    out = [f"traced for the branch at {a['where']} ({a['value']}), checked at run time"
+           for graph in (manifest.get("assumptions") or {}).values() for a in graph]
+    blocks = manifest.get("length_multiple")
+    if blocks:
+        out.append(f"{blocks['axis']} lengths in blocks of {blocks['multiple']}, padded by the runtime")
+    step = ((manifest.get("decoder") or {}).get("inputs") or [{}])[0].get("shape")
+    if step and step[-1] == 1:
+        out.append("the cached decoder steps one token at a time")
     return out
 
 

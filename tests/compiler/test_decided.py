@@ -1,9 +1,12 @@
 """What the trace fixes when a forward stops torch.export (kiln/compiler/decided.py): a decision on tensor data is
 traced for the branch the example took, with its condition as a graph output the runtime checks; a length the
-forward needs in whole blocks is traced in blocks and the runtime pads to them. End to end on Longformer / LED:
-tests/compiler/test_sweep.py."""
+forward needs in whole blocks is traced in blocks and the runtime pads to them. End to end on LED (an
+encoder-decoder's encoder with both) and ProphetNet: tests/compiler/test_sweep.py."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 import onnxruntime as ort
@@ -116,3 +119,28 @@ def test_the_runtime_pads_to_whole_blocks_masked_and_cuts_the_outputs_back():
     whole = {"input_ids": np.full((1, 16), 7), "attention_mask": np.ones((1, 16), np.int64)}
     assert in_blocks(specs, whole, blocks)[0]["input_ids"].shape == (1, 16)
     assert in_blocks(specs, feeds, None) == (feeds, None)
+
+
+def test_an_artifact_in_blocks_answers_any_length_as_the_unpadded_graph_does(artifacts, tmp_path):
+    """``Model.run`` pads to whole blocks (masked) and cuts back: on a BERT artifact told its lengths come in blocks
+    of 16, every length gives the real positions the unpadded run gives; a pad id that is not masked would not."""
+    import kiln.runtimes as kr
+
+    art = tmp_path / "bert"
+    shutil.copytree(artifacts["bert"], art)
+    data = json.loads((art / "manifest.json").read_text())
+    data["length_multiple"] = {"axis": "sequence", "multiple": 16, "pad_token_id": 0}
+    (art / "manifest.json").write_text(json.dumps(data))
+    plain, padded = kr.load(artifacts["bert"]), kr.load(art)
+    rng = np.random.default_rng(0)
+    for length in (1, 5, 16, 19):
+        ids = rng.integers(5, 90, (2, length))
+        mask = np.ones_like(ids)
+        mask[1, length // 2 + 1:] = 0
+        want = plain.run({"input_ids": ids, "attention_mask": mask})
+        got = padded.run({"input_ids": ids, "attention_mask": mask})
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].shape == want[name].shape
+            real = mask.astype(bool) if got[name].ndim == 3 else np.ones(got[name].shape[0], bool)
+            np.testing.assert_allclose(got[name][real], want[name][real], rtol=1e-4, atol=1e-5)

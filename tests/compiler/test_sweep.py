@@ -166,8 +166,8 @@ def test_a_model_whose_generate_feeds_more_than_tokens_is_named(tmp_path):
 
 TRACE_FIXES = {
     # model type: what the trace had to fix, as the manifest records it (kiln/compiler/decided.py, trace_seq2seq.py)
-    "longformer": "model",  # global attention decided on the mask; lengths padded to its attention window
-    "led": "encoder",  # the same in an encoder-decoder's encoder: the decoder reads the padded source
+    "led": "encoder",  # global attention decided on the mask, lengths padded to its attention window (Longformer's
+    # encoder, as longformer itself has it): the decoder reads the padded source
     "prophetnet": "decoder",  # a cache that takes one new token at a time: the decoder graph steps one token
 }
 
@@ -182,19 +182,19 @@ def test_a_forward_that_stops_the_exporter_compiles_with_what_the_trace_fixed(tm
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["verification"]["status"] == "passed"
     graph = TRACE_FIXES[model_type]
+    notes = sweep.traced(manifest)  # the sweep table's reason column
     if graph == "decoder":
+        assert notes == ["the cached decoder steps one token at a time"]
         assert manifest["decoder"]["inputs"][0]["shape"] == ["batch", 1] and "length_multiple" not in manifest
         assert manifest["verification"]["generation"]["tokens_identical"]
         return
+    assert notes[0].startswith(f"traced for the branch at modeling_{model_type}.py:") and "blocks of" in notes[1]
     blocks = manifest["length_multiple"]
-    assert blocks["axis"] == ("sequence" if graph == "model" else "source") and blocks["multiple"] > 1
+    assert blocks["axis"] == "source" and blocks["multiple"] > 1
     (assumption,) = manifest["assumptions"][graph]
     assert assumption["value"] is False and assumption["where"].startswith(f"modeling_{model_type}.py:")
     model = kr.load(out)
     ids = np.array([[5, 6, 7, 8, 9]])
-    if graph == "model":  # padded to whole blocks and cut back
-        assert model.run({"input_ids": ids})["last_hidden_state"].shape[:2] == (1, 5)
-    else:
-        assert model.generate(ids, max_new_tokens=3, stop_token_ids=[]).shape == (1, 4)
+    assert model.generate(ids, max_new_tokens=3, stop_token_ids=[]).shape == (1, 4)  # a 5-token source, padded
     with pytest.raises(InputError, match="other branch"):  # a global token (mask 2): the branch not traced
         model.run({"input_ids": ids, "attention_mask": np.array([[2, 1, 1, 1, 1]])})
