@@ -278,6 +278,9 @@ def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: Any, recorded:
     with capture() as log, exportable(), dense_loops(module), replay as taken:
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS,
                                     dynamic_shapes=dynamic_shapes, **kwargs)
+    if len(taken) > decided.MAX_DECISIONS:
+        raise UnsupportedModelError(f"the forward takes {len(taken)} decisions on tensor data (first at "
+                                    f"{taken[0].where}), more than the {decided.MAX_DECISIONS} kiln checks per graph")
     outputs = program.model.graph.outputs
     for i, d in enumerate(taken):  # the conditions come last, named by the exporter: give them kiln's names
         outputs[len(outputs) - len(taken) + i].name = decided.OUTPUT.format(i)

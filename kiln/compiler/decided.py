@@ -32,6 +32,8 @@ from kiln.errors import UnsupportedModelError
 
 OUTPUT = "kiln_assumption_{}"
 """The graph output holding decision ``i``'s condition."""
+MAX_DECISIONS = 64
+"""More than this many decisions in one graph are refused (the manifest's schema bounds the list)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ def _where() -> str:
     for frame in reversed(traceback.extract_stack()):
         name = frame.filename.replace("\\", "/")
         if "/torch/" not in name and "/kiln/" not in name:
-            return f"{name.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
+            return f"{name.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"[:200]
     return "the model's forward"
 
 

@@ -69,6 +69,21 @@ def test_a_decision_on_tensor_data_is_traced_with_its_condition_as_an_output(tmp
         check_assumptions({"y": y, "kiln_assumption_0": cond}, log.assumptions, "model")
 
 
+class ManyDecisions(torch.nn.Module):
+    """A decision per position: more than a manifest holds."""
+
+    def forward(self, x, mask):
+        for i in range(decided.MAX_DECISIONS + 1):
+            if (mask[:, i % mask.shape[1]] > 1).any().item():
+                x = x * 2.0
+        return x
+
+
+def test_more_decisions_than_a_manifest_holds_are_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match=f"takes {decided.MAX_DECISIONS + 1} decisions"):
+        export(ManyDecisions(), tmp_path)
+
+
 def test_a_graph_without_the_condition_its_manifest_names_is_refused():
     with pytest.raises(ArtifactError, match="no output kiln_assumption_0"):
         check_assumptions({"y": np.zeros(1)}, [{"output": "kiln_assumption_0", "value": False, "where": "m.py:1"}],
