@@ -210,40 +210,37 @@ def export(module: torch.nn.Module, args: tuple, *, source: str, dynamic_shapes:
         if probe:  # a retry with decisions: torch.export alone first, which names a length in blocks sooner
             probe = False
             dim, size = _block(_refusal(module, args, dynamic_shapes, recorded), dynamic_shapes, blocks)
-            if dim is not None:
-                blocks[dim.__name__] = size
-                dynamic_shapes, args = decided.in_blocks(dynamic_shapes, args, dim, size)
-                continue
-        try:
-            program, log = _export(module, args, dynamic_shapes, recorded, kwargs)
-        except UnsupportedModelError:
-            raise
-        except Exception as e:
-            if not recorded and decided.data_dependent(e):
-                recorded = decided.record(module, args)
-                if recorded:
-                    probe = True
-                    continue
-            dim, size = _block(e, dynamic_shapes, blocks)
-            if dim is None:
+        else:
+            try:
+                program, log = _export(module, args, dynamic_shapes, recorded, kwargs)
+            except UnsupportedModelError:
                 raise
+            except Exception as e:
+                if not recorded and decided.data_dependent(e):
+                    recorded = decided.record(module, args)
+                    probe = bool(recorded)
+                    if probe:
+                        continue
+                dim, size = _block(e, dynamic_shapes, blocks)
+                if dim is None:
+                    raise
+            else:
+                fixed = fixed_axes(program.model.graph.inputs, dynamic_shapes)
+                if not fixed:
+                    break
+                # the exporter fell back to a fixed length: torch.export's own refusal names the guards that fixed it
+                dim, size = _block(_refusal(module, args, dynamic_shapes, recorded), dynamic_shapes, blocks,
+                                   fixed[0][2])
+                if dim is None:
+                    name, axis, dim_name, length = fixed[0]
+                    raise UnsupportedModelError(
+                        f"{source}: the traced graph fixes {name} axis {axis} ({dim_name}) to {length}, so it would "
+                        "serve that one length only: the model's forward computes with the length as a Python number "
+                        "(a loop over tokens, as in state-space and recurrent layers, or a table built for it); kiln "
+                        "compiles graphs for any batch and length, so this architecture cannot be compiled")
+        if dim is not None:
             blocks[dim.__name__] = size
             dynamic_shapes, args = decided.in_blocks(dynamic_shapes, args, dim, size)
-            continue
-        fixed = fixed_axes(program.model.graph.inputs, dynamic_shapes)
-        if not fixed:
-            break
-        # the exporter fell back to a fixed length: torch.export's own refusal names the guards that fixed it
-        dim, size = _block(_refusal(module, args, dynamic_shapes, recorded), dynamic_shapes, blocks, fixed[0][2])
-        if dim is None:
-            name, axis, dim_name, length = fixed[0]
-            raise UnsupportedModelError(
-                f"{source}: the traced graph fixes {name} axis {axis} ({dim_name}) to {length}, so it would serve "
-                "that one length only: the model's forward computes with the length as a Python number (a loop over "
-                "tokens, as in state-space and recurrent layers, or a table built for it); kiln compiles graphs for "
-                "any batch and length, so this architecture cannot be compiled")
-        blocks[dim.__name__] = size
-        dynamic_shapes, args = decided.in_blocks(dynamic_shapes, args, dim, size)
     log.blocks = blocks
     return program, log
 
@@ -263,19 +260,27 @@ def _block(e: BaseException | None, dynamic_shapes: Any, blocks: dict[str, int],
 def _refusal(module: torch.nn.Module, args: tuple, dynamic_shapes: Any,
              recorded: list[decided.Decision]) -> BaseException | None:
     """What ``torch.export`` itself says about these dynamic shapes (the ONNX exporter falls back without it)."""
-    replay = decided.replaying(module, recorded) if recorded else contextlib.nullcontext()
     try:
-        with capture(), exportable(), dense_loops(module), replay:
+        with _tracing(module, recorded):
             torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # the refusal is the answer
         return e
     return None
 
 
-def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: Any, recorded: list[decided.Decision],
-            kwargs: dict[str, Any]) -> tuple[Any, Log]:
+@contextlib.contextmanager
+def _tracing(module: torch.nn.Module,
+             recorded: list[decided.Decision]) -> Iterator[tuple[Log, list[decided.Decision]]]:
+    """Inside: attention captured, the exporter's forms rewritten, loop experts dense and the recorded decisions
+    replayed; yields the capture's log and the decisions the trace took."""
     replay = decided.replaying(module, recorded) if recorded else contextlib.nullcontext([])
     with capture() as log, exportable(), dense_loops(module), replay as taken:
+        yield log, taken
+
+
+def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: Any, recorded: list[decided.Decision],
+            kwargs: dict[str, Any]) -> tuple[Any, Log]:
+    with _tracing(module, recorded) as (log, taken):
         program = torch.onnx.export(module, args, dynamo=True, custom_translation_table=TRANSLATIONS,
                                     dynamic_shapes=dynamic_shapes, **kwargs)
     if len(taken) > decided.MAX_DECISIONS:

@@ -163,7 +163,7 @@ def in_blocks(dynamic_shapes: Any, args: tuple, dim: Any, size: int) -> tuple[An
     per_arg = [x for s in specs for x in (s if isinstance(s, (tuple, list)) else (s,))]
     new = list(args)
     for i, axes in enumerate(per_arg[:len(new)]):
-        for axis, d in (axes or {}).items() if isinstance(axes, dict) else ():
+        for axis, d in axes.items() if isinstance(axes, dict) else ():
             if d is dim:
                 t = new[i]
                 reps = [-(-2 * size // t.shape[axis]) if a == axis else 1 for a in range(t.dim())]

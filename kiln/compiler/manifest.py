@@ -84,9 +84,9 @@ def add_traced(data: dict[str, Any], graph: str, log: Any, ckpt: Checkpoint, axi
         data.setdefault("assumptions", {})[graph] = log.assumptions
     if log.blocks:
         pad = getattr(ckpt.config, "pad_token_id", None)
-        size = next(iter(log.blocks.values()))
-        data["length_multiple"] = {"axis": axis, "multiple": int(size),
-                                   "pad_token_id": int(pad) if isinstance(pad, int) and 0 <= pad < (ckpt.vocab_size or pad + 1) else 0}
+        known = isinstance(pad, int) and pad >= 0 and (ckpt.vocab_size is None or pad < ckpt.vocab_size)
+        data["length_multiple"] = {"axis": axis, "multiple": int(next(iter(log.blocks.values()))),
+                                   "pad_token_id": int(pad) if known else 0}
 
 
 def kv_names(layers: int) -> dict[str, list[str]]:

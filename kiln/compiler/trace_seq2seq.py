@@ -155,6 +155,7 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> tuple[dict[str, capture.
     """Trace both graphs, attention captured; returns what the capture saw in each and the decoder's fixed step
     width (``step_width``; None: any number of new tokens)."""
     s = shapes(ckpt)
+    spec = io(ckpt)
     batch = torch.export.Dim("batch", min=1, max=1024)
     source = torch.export.Dim("source", min=1, max=max(ckpt.max_length, 9))
     seq = torch.export.Dim("sequence", min=1, max=max(ckpt.max_length, 9))
@@ -168,8 +169,7 @@ def export(ckpt: Checkpoint, root: Path, opset: int) -> tuple[dict[str, capture.
             cross = enc(ids, mask)
             program, log = capture.export(
                 enc, (ids, mask), dynamic_shapes={"input_ids": {0: batch, 1: source}, "attention_mask": {0: batch, 1: source}},
-                input_names=[t.name for t in io(ckpt)["encoder"]["inputs"]],
-                output_names=[t.name for t in io(ckpt)["encoder"]["outputs"]],
+                input_names=[t.name for t in spec["encoder"]["inputs"]], output_names=[t.name for t in spec["encoder"]["outputs"]],
                 source=f"{ckpt.path} ({ckpt.architecture})", opset_version=opset, optimize=True, verbose=False)
             program.save(str(root / ENCODER))
             kv: list[torch.Tensor] = []

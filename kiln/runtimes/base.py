@@ -7,7 +7,7 @@ dtype, rank or length the same way (the Polygraphy runner does the same for its 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,9 +105,14 @@ class Runtime(abc.ABC):
     """A backend that runs one artifact graph: ``load``, then ``run`` any number of times, then ``close``."""
 
     name: str = ""
-    assumed: list[dict[str, Any]] = []
+    assumed: tuple[dict[str, Any], ...] = ()
     """The graph's assumption outputs (the manifest's ``assumptions`` for it): ``run`` checks and drops them."""
     graph: str = "model"
+
+    def assume(self, manifest: Manifest, graph: str) -> None:
+        """Keep ``graph``'s name and its assumption outputs for ``run`` (``check_assumptions``); backends call it
+        from ``load``."""
+        self.graph, self.assumed = graph, tuple((manifest.data.get("assumptions") or {}).get(graph, ()))
 
     def cache_runner(self, kv: dict, batch: int, length: int | None = None) -> CacheRunner:
         """A step runner for a decoder with a KV cache (``kv`` is the manifest's ``kv_cache``); ``length``: the
@@ -149,7 +154,8 @@ class Runtime(abc.ABC):
 TOKEN_INPUTS = ("input_ids", "decoder_input_ids")
 
 
-def check_assumptions(values: dict[str, np.ndarray], assumed: list[dict[str, Any]], graph: str) -> dict[str, np.ndarray]:
+def check_assumptions(values: dict[str, np.ndarray], assumed: Sequence[dict[str, Any]],
+                      graph: str) -> dict[str, np.ndarray]:
     """``values`` without the graph's assumption outputs (``kiln.compiler.decided``), after checking each holds the
     value the graph was traced for: a different one means this input takes a branch of the model's code that the
     graph does not contain, so its outputs would be wrong."""

@@ -53,7 +53,7 @@ class OnnxRuntime(Runtime):
         except Exception as e:  # ORT raises its own untyped errors
             raise _load_failure(e, path, manifest, self.providers) from e
         self._path = str(path)
-        self.graph, self.assumed = graph, (manifest.data.get("assumptions") or {}).get(graph, [])
+        self.assume(manifest, graph)
         self._output_names = [o.name for o in self._session.get_outputs()]
         # The manifest may list inputs the graph no longer reads (eliminate-unused-io): accepted, not fed.
         self._input_names = {i.name for i in self._session.get_inputs()}

@@ -234,7 +234,7 @@ class TensorRTRuntime(Runtime):
         self._dtypes = {n: np.dtype(trt.nptype(self._engine.get_tensor_dtype(n))) for n in names}
         self._profiles = {n: tuple(tuple(d) for d in self._engine.get_tensor_profile_shape(n, 0)) for n in self._inputs}
         self.plan = plan
-        self.graph, self.assumed = graph, (manifest.data.get("assumptions") or {}).get(graph, [])
+        self.assume(manifest, graph)
 
     def _buffer(self, name: str, nbytes: int) -> int:
         assert self._cuda is not None
