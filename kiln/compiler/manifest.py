@@ -192,6 +192,11 @@ def verification(report: dict[str, Any], options: CompileOptions) -> dict[str, A
         out["generation"] = {k: report["generation"][k] for k in
                              ("steps", "batch", "tokens_identical", "max_abs_over_atol", "ties", "reference", "through")
                              if k in report["generation"]}
+    if "generation_1" in report:
+        out["generation_batch_1"] = {k: report["generation_1"][k] for k in ("steps", "tokens_identical", "max_abs_over_atol")
+                                     if k in report["generation_1"]}
+    if "rows" in report:
+        out["rows"] = {k: report["rows"][k] for k in ("rows", "steps", "max_abs_over_bound", "tokens_identical")}
     if report.get("reference"):  # a streamed checkpoint: what the artifact was compared with, and how
         out["reference"] = report["reference"]
     return out

@@ -125,7 +125,9 @@ def report(artifacts: str | Path | list[str | Path], reference: str | Path, data
     models = []
     try:
         for p in paths:
-            models.append(kr.load(p, backend=o.backend, threads=o.threads))
+            # measured whatever its canary says (a report exists to measure a bad artifact); the canary's verdict
+            # is recorded beside the numbers
+            models.append(kr.load(p, backend=o.backend, threads=o.threads, check=False))
             _check_pair(models[-1], p, ckpt, reference, models[0], paths[0])
         texts = read_texts(str(data), role="--data")[:o.max_texts]
         limit = min(o.max_tokens, min(m.max_sequence_length for m in models))
@@ -141,6 +143,7 @@ def report(artifacts: str | Path | list[str | Path], reference: str | Path, data
                 say(f"report: {p}")
                 errs: dict[str, list[np.ndarray]] = {}
                 entries.append(measure(p, model, ref, rows, errs, o.threads))
+                entries[-1]["canary"] = canary_verdict(model, o.threads, say)
                 errors.append(errs)
         say(f"report: latency, {LATENCY_ROUNDS} alternating rounds")
         for entry, lat in zip(entries, latency_rounds(models, rows, o.latency_s)):
@@ -161,6 +164,18 @@ def report(artifacts: str | Path | list[str | Path], reference: str | Path, data
     render.write(result, errors, Path(out))
     say(f"report: wrote {Path(out) / 'report.json'}, report.md, report.html")
     return result
+
+
+def canary_verdict(model: kr.Model, threads: int | None, say: Progress) -> dict[str, Any] | None:
+    """The artifact's canary on this machine (None: it carries none): passed, and the entries that failed."""
+    result = kr.canary.check(model, threads)
+    if result is None:
+        return None
+    failed = [e["name"] for e in result.entries if not e["passed"]]
+    if result.refused:
+        say(f"report: {model.manifest.root} fails its canary here ({', '.join(failed)}): `kiln.runtimes.load` "
+            "refuses it on this machine; measured anyway")
+    return {"passed": result.passed, "failed": failed, "machine": result.machine}
 
 
 def _thresholds(config: str | Path | None) -> dict[str, float]:

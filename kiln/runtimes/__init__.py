@@ -8,9 +8,12 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from kiln.errors import ArtifactError, InputError, KilnError
+from kiln.runtimes import canary
+from kiln.runtimes.canary import CanaryError
 from kiln.runtimes.artifact import Manifest, TensorSpec, read_manifest
 from kiln.runtimes.base import Runtime
 from kiln.runtimes.model import Model
@@ -24,7 +27,7 @@ artifact's ``engines/onnxruntime-trt``, falling back to CUDA and CPU for what Te
 
 log = logging.getLogger("kiln.runtimes")
 
-__all__ = ["load", "open_manifest", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "InputError", "KilnError"]
+__all__ = ["load", "open_manifest", "run_canary", "Model", "Manifest", "Runtime", "TensorSpec", "BACKENDS", "ArtifactError", "CanaryError", "InputError", "KilnError"]
 
 
 def make_runtime(backend: str, threads: int | None = None, optimization: str = "all",
@@ -100,14 +103,50 @@ def cpu_session_config(manifest: Manifest, chosen: str) -> dict[str, str]:
 
 
 def load(path: str | Path, backend: str = "onnxruntime", threads: int | None = None,
-         optimization: str = "all", session_config: dict[str, str] | None = None) -> Model:
-    """Open an artifact directory: check its manifest and file checksums, then start the backend.
+         optimization: str = "all", session_config: dict[str, str] | None = None, check: bool = True) -> Model:
+    """Open an artifact directory: check its manifest and file checksums, start the backend, then (``check``) run
+    the artifact's canary on it (``kiln.runtimes.canary``): an artifact that computes another answer here than where
+    it was verified is refused with ``CanaryError`` (one line: this machine, the backend, the entry point, the error).
 
     ``threads`` sets the backend's intra-op threads (default: the backend's own choice);
     ``optimization`` is ONNX Runtime's graph optimisation level: disabled, basic or all;
     ``session_config`` passes ONNX Runtime session config entries through as they are.
+    The result is kept in ``Model.canary`` (None: not run, or the artifact carries no canary).
     """
-    return open_manifest(read_manifest(path), backend, threads, optimization, session_config)
+    model = open_manifest(read_manifest(path), backend, threads, optimization, session_config)
+    if check:
+        run_canary(model, threads)
+    return model
+
+
+def run_canary(model: Model, threads: int | None = None) -> canary.Result | None:
+    """Run ``model``'s canary and keep the result in ``model.canary``; refuse (closing it) when an entry fails."""
+    start = time.perf_counter()
+    try:
+        result = canary.check(model, threads)
+    except KilnError:
+        model.close()
+        raise
+    finally:  # the canary's KV buffers are not kept for the app's requests
+        for runtime in model.runtimes.values():
+            pool = getattr(runtime, "pool", None)
+            if pool is not None:
+                pool.clear()
+    model.canary = result
+    if result is None:
+        log.info("%s carries no canary (compiled by an older kiln, or streamed): not checked on this machine",
+                 model.manifest.root)
+        return None
+    log.info("canary %s in %.0f ms on %s", "passed" if result.passed else "failed",
+             1e3 * (time.perf_counter() - start), result.machine)
+    if result.refused:
+        model.close()
+        raise canary.refusal(model, result)
+    if result.rows_agree is False:
+        log.warning("%s: one row decodes differently alone than beside others on this machine (%s); continuous "
+                    "batching decodes at least two rows per step here (Scheduler min_rows=2)", model.manifest.root,
+                    result.machine)
+    return result
 
 
 def open_manifest(manifest: Manifest, backend: str = "onnxruntime", threads: int | None = None,

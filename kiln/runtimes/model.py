@@ -29,6 +29,8 @@ class Model:
         self._encoder: TextEncoder | None = None
         self.backend: dict[str, Any] = {"name": "onnxruntime-cpu", "requested": "onnxruntime", "skipped": {}}
         """Which backend runs the graphs, what was asked for, and (``auto``) why the others were skipped."""
+        self.canary: Any = None
+        """The canary's result where ``load`` ran it (``kiln.runtimes.canary.Result``), else None."""
 
     @property
     def input_names(self) -> list[str]:

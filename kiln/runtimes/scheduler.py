@@ -143,14 +143,17 @@ class Scheduler:
     """Continuous batching over a loaded decoder ``Model`` (ONNX Runtime, a shared-buffer KV cache with per-row
     lengths). ``slots``: requests decoded together; ``queue_limit``: requests that may wait for a slot (past it,
     ``submit`` raises ``QueueFull``); ``positions``: KV positions per slot (prompt + new tokens of one request; default
-    the artifact's capacity); ``min_rows``: rows every decode step runs (default 2 for INT8/INT4 artifacts, else 1).
+    the artifact's capacity); ``min_rows``: rows every decode step runs (default 1; 2 for an INT8/INT4 artifact whose
+    canary did not show here that one row decodes alone as it does beside others).
 
     Why ``min_rows``: ONNX Runtime's MatMulNBits (accuracy level 4, int8 activations) computes one row (M = 1) with
-    another kernel than several rows, and the two quantize the activations differently: SmolLM2-135M INT4, one
-    decode step, logits of the same row differ by up to 6.8 between M = 1 and M = 2 (M = 2, 4, 8 agree bit for bit;
-    against FP32 activations M = 1 is off by 5.1, M = 2 by 3.6). A prefill is always M > 1, so decoding every step
-    with at least two rows (an idle one when a request is alone) keeps each request's tokens independent of what
-    else runs; FP32 graphs are bit-identical at any M and keep one row."""
+    another kernel than several rows. On an AVX2 machine with an older ONNX Runtime the two disagreed (SmolLM2-135M
+    INT4, one decode step: up to 6.8 in the logits; ONNX Runtime issue 29853: the AVX2 M = 1 path with zero points);
+    ONNX Runtime 1.32 agrees with a numpy reference at M = 1, 2 and 8 for every format kiln emits, on AVX-512 VNNI and
+    on AVX2 (tools/kernel_conformance.py, docs/verification.md). The canary's ``rows`` entry checks it wherever the
+    artifact is loaded (``Model.canary.rows_agree``); where it fails, or was not run, a quantized artifact decodes every
+    step with at least two rows (an idle one when a request is alone), so each request's tokens stay independent of
+    what else runs. A prefill is always M > 1."""
 
     def __init__(self, model: Any, slots: int = 8, queue_limit: int = 64, positions: int | None = None,
                  min_rows: int | None = None) -> None:
@@ -168,7 +171,9 @@ class Scheduler:
         self.model, self.kv = model, kv
         self.slots, self.queue_limit = slots, queue_limit
         quantized = str(data.get("precision", "")).startswith(("int8", "int4"))
-        self.min_rows = min(slots, min_rows if min_rows is not None else 2 if quantized else 1)
+        checked = getattr(model, "canary", None)
+        one_row = not quantized or (checked is not None and checked.rows_agree is True)
+        self.min_rows = min(slots, min_rows if min_rows is not None else 1 if one_row else 2)
         self.join_mixed = not quantized  # prompts of different lengths share a prefill (see _join)
         self.positions = min(int(positions or kv["capacity"]), int(kv["capacity"]))
         self.max_model = int(data["model"]["max_sequence_length"])

@@ -91,12 +91,14 @@ DECODE_MODES = ("batched", "threads")
 
 class Server:
     def __init__(self, model: kr.Model, max_batch: int | None = None, max_wait_ms: float = 5.0,
-                 queue: int = DEFAULT_QUEUE, decode: str = "batched") -> None:
+                 queue: int = DEFAULT_QUEUE, decode: str = "batched", min_rows: int | None = None) -> None:
         m = model.manifest.data["model"]
         self.kind, self.task = m["kind"], m["task"]
         max_batch = max_batch if max_batch is not None else DEFAULT_SLOTS if self.kind == "decoder" else 32
         if decode not in DECODE_MODES:
             raise UsageError(f"--decode {decode!r}: choose one of {', '.join(DECODE_MODES)}")
+        if min_rows is not None and min_rows < 1:
+            raise UsageError(f"--min-rows {min_rows}: give at least 1 (or leave it to the artifact's canary)")
         if max_batch < 1 or max_wait_ms < 0 or queue < 0:
             raise UsageError(f"--max-batch {max_batch} / --max-wait-ms {max_wait_ms:g} / --queue {queue}: give at "
                              "least 1, at least 0 and at least 0")
@@ -108,15 +110,15 @@ class Server:
         self.generates = self.kind == "decoder" and bool(data.get("kv_cache") or (data.get("generation") or {}).get(
             "recompute")) and m["task"] == "causal-lm" or self.kind == "seq2seq"
         batched = self.kind == "decoder" and self.generates and decode == "batched"
-        self.scheduler = self._scheduler(model, max_batch, queue) if batched else None
+        self.scheduler = self._scheduler(model, max_batch, queue, min_rows) if batched else None
         threads = max_batch + queue + 1 if self.scheduler else max_batch  # a scheduler's waiting requests block here
         self.workers = ThreadPoolExecutor(threads, thread_name_prefix="kiln-gen") if self.kind != "encoder" else None
 
-    def _scheduler(self, model: kr.Model, slots: int, queue: int) -> Scheduler | None:
+    def _scheduler(self, model: kr.Model, slots: int, queue: int, min_rows: int | None) -> Scheduler | None:
         """Continuous batching where the artifact allows it; otherwise each request generates on its own thread
         (the reason logged)."""
         try:
-            scheduler = Scheduler(model, slots=slots, queue_limit=queue)
+            scheduler = Scheduler(model, slots=slots, queue_limit=queue, min_rows=min_rows)
         except ArtifactError as e:
             log.warning("kiln serve: requests generate one at a time per thread: %s", e)
             return None
@@ -131,7 +133,9 @@ class Server:
                   Route("/v1/completions", self.wrap("completions", self.completions), methods=["POST"]),
                   Route("/v1/chat/completions", self.wrap("chat", self.chat), methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"])]
-        return Starlette(routes=routes, lifespan=self.lifespan)
+        app = Starlette(routes=routes, lifespan=self.lifespan)
+        app.state.server = self
+        return app
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -336,12 +340,14 @@ def usage(info: dict[str, Any]) -> dict[str, int]:
 
 
 def create_app(artifact: Any, max_batch: int | None = None, max_wait_ms: float = 5.0, threads: int | None = None,
-               queue: int = DEFAULT_QUEUE, decode: str = "batched") -> Starlette:
-    """An ASGI app serving ``artifact`` (a path, or an already loaded ``kiln.runtimes.Model``)."""
+               queue: int = DEFAULT_QUEUE, decode: str = "batched", min_rows: int | None = None) -> Starlette:
+    """An ASGI app serving ``artifact`` (a path, or an already loaded ``kiln.runtimes.Model``). A path is loaded with
+    its canary run (``kiln.runtimes.load``): a server does not start on a machine where its artifact computes another
+    answer. ``min_rows``: rows every decode step runs (default: the artifact's canary decides)."""
     # ONNX Runtime's own thread settings (its pool spins briefly between runs): measured with tools/load_serve.py,
     # spinning off cost the batching server 5-10% (395 vs 432 req/s) and the unbatched one as much
     model = artifact if isinstance(artifact, kr.Model) else kr.load(artifact, threads=threads)
     if not model.manifest.tokenizer:
         raise UsageError(f"{model.manifest.root} ships no tokenizer; kiln serve takes text, so compile the artifact "
                          "from a checkpoint with one")
-    return Server(model, max_batch, max_wait_ms, queue, decode).app()
+    return Server(model, max_batch, max_wait_ms, queue, decode, min_rows).app()

@@ -108,7 +108,7 @@ def rtn_artifact(tiny_llama, tmp_path_factory):
     return tiny_llama, out
 
 
-def reverify(ckpt_path, artifact, tmp_path, mutate) -> tuple[dict, dict]:
+def reverify(ckpt_path, artifact, tmp_path, mutate, planted_bug=True) -> tuple[dict, dict]:
     """The planted artifact checked as the compile checks INT4: against eager FP32 and the fake-quantized model."""
     out = planted(artifact, tmp_path, mutate)
     data = json.loads((out / "manifest.json").read_text())
@@ -122,7 +122,13 @@ def reverify(ckpt_path, artifact, tmp_path, mutate) -> tuple[dict, dict]:
     try:
         (exact / "manifest.json").unlink()
         write_manifest(exact, data)
-        with kr.load(out, threads=2) as model, kr.load(exact, threads=2, session_config=EXACT_SESSION) as exact_model:
+        if planted_bug:  # what the compile would refuse, the artifact's canary refuses at load
+            with pytest.raises(kr.CanaryError):
+                kr.load(out, threads=2)
+        else:
+            kr.load(out, threads=2).close()
+        with kr.load(out, threads=2, check=False) as model, \
+                kr.load(exact, threads=2, session_config=EXACT_SESSION, check=False) as exact_model:
             return (verify(trace.EagerRunner(ckpt), model, feeds, "int4"),
                     verify(trace.EagerRunner(dataclasses.replace(ckpt, model=fake)), exact_model, feeds, "int4-codes"))
     finally:
@@ -167,7 +173,7 @@ def test_default_int4_passes_with_margin(int4_artifact):
 
 def test_unchanged_artifact_passes_both_checks(rtn_artifact, tmp_path):
     ckpt, out = rtn_artifact
-    fp32, codes = reverify(ckpt, out, tmp_path, lambda m: None)
+    fp32, codes = reverify(ckpt, out, tmp_path, lambda m: None, planted_bug=False)
     assert fp32["passed"] and codes["passed"]
 
 

@@ -78,9 +78,14 @@ def test_quantized_rows_batch_like_alone(tmp_path, checkpoints, precision):
 
     art = compile(checkpoints["llama"], tmp_path / precision, fast_options(precision=precision))
     with kr.load(art, threads=2) as model:
+        # a lone request decodes at one row where the canary showed one row computes as it does beside others here
+        assert model.canary.rows_agree is not None
+        assert Scheduler(model, slots=4).min_rows == (1 if model.canary.rows_agree else 2)
         want = [alone(model, p, n) for p, n in zip(PROMPTS, NEW)]
         streams, _ = mixed(model, slots=4, cancel=5)
     assert [s.tokens for s in streams[:5]] == want[:5]
+    with kr.load(art, threads=2, check=False) as model:  # unchecked: a quantized artifact keeps two rows
+        assert model.canary is None and Scheduler(model, slots=4).min_rows == 2
 
 
 def test_stop_tokens_end_a_request_and_free_its_slot(artifacts):

@@ -133,6 +133,23 @@ def stand_in(artifact) -> tuple[TensorRTRuntime, HostCuda]:
     return rt, cuda
 
 
+def no_swap(real):
+    """A planted bug: the device cache's present is written but never read back (the runner stays on its buffer)."""
+    def make(kv, batch, length=None):
+        runner = real(kv, batch, length)
+        step = runner.step
+
+        def stuck(ids, mask):
+            current = runner.current
+            out = step(ids, mask)
+            runner.current = current
+            return out
+
+        runner.step = stuck
+        return runner
+    return make
+
+
 @pytest.fixture(scope="module")
 def trt_llama(checkpoints, tmp_path_factory):
     return compile(checkpoints["llama"], tmp_path_factory.mktemp("trt") / "llama", fast_options(target="tensorrt"))
@@ -149,21 +166,7 @@ def test_generation_through_the_device_cache_matches_onnxruntime(trt_llama):
     got = engine_model.generate(prompts, max_new_tokens=12, stop_token_ids=[])
     np.testing.assert_array_equal(got, want)
     real = rt.cache_runner
-
-    def no_swap(kv, batch, length=None):  # the planted bug: the present is written but never read back
-        runner = real(kv, batch, length)
-        step = runner.step
-
-        def stuck(ids, mask):
-            current = runner.current
-            out = step(ids, mask)
-            runner.current = current
-            return out
-
-        runner.step = stuck
-        return runner
-
-    rt.cache_runner = no_swap
+    rt.cache_runner = no_swap(real)
     assert not np.array_equal(engine_model.generate(prompts, max_new_tokens=12, stop_token_ids=[]), want)
     rt.cache_runner = real
     live = len(cuda.mem)
@@ -307,3 +310,15 @@ def test_cuda_driver_pushes_the_context_on_every_calling_thread(monkeypatch):
     with ThreadPoolExecutor(1) as pool:
         pool.submit(planted.alloc, 16).result()
     assert lib.calls[-1][0] == "cuMemAlloc" and not lib.calls[-1][2]
+
+
+def test_the_canary_checks_the_engine_path(trt_llama):
+    """The canary is how an engine built elsewhere gets checked: it passes on the stand-in engine, and a stuck device
+    cache (the present never read back) is refused with the backend named."""
+    rt, _ = stand_in(trt_llama)
+    engine_model = kr.Model(read_manifest(trt_llama), {"model": rt})
+    engine_model.backend = {"name": "tensorrt", "requested": "tensorrt", "skipped": {}}
+    assert kr.run_canary(engine_model).passed
+    rt.cache_runner = no_swap(rt.cache_runner)
+    with pytest.raises(kr.CanaryError, match="tensorrt.*canary entry decode_1"):
+        kr.run_canary(engine_model)

@@ -19,6 +19,7 @@ import torch
 from kiln.compiler.verify import metrics
 from kiln.compiler.verify.parity import TOLERANCES, Tolerance
 from kiln.errors import KilnError
+from kiln.runtimes.canary import forced_seq2seq, forced_steps
 from kiln.runtimes.generation import pad_rows
 
 
@@ -99,17 +100,7 @@ def verify_generation(model: Any, artifact: Any, rows: list[list[int]], steps: i
     base["through"] = "kv cache" if kv else "recompute (no KV cache)"
 
     def teacher_forced() -> Iterator[np.ndarray]:
-        gen = artifact.manifest.data.get("generation") or {}
-        runner = artifact.runtime.cache_runner(kv, len(rows)) if kv else \
-            artifact.runtime.recompute_runner(len(rows), gen.get("logits_to_keep"))
-        mask = prompt.mask
-        try:
-            yield runner.step(prompt.ids, mask)[:, -1]
-            for t in range(steps - 1):
-                mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], 1)
-                yield runner.step(ref_tokens[:, t:t + 1], mask)[:, -1]
-        finally:
-            runner.close()
+        return forced_steps(artifact, prompt.ids, prompt.mask, ref_tokens[:, :steps - 1])
 
     def generated() -> np.ndarray:
         out = artifact.generate(prompt.ids, prompt.mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad_id)
@@ -134,12 +125,7 @@ def verify_seq2seq(model: Any, artifact: Any, ids: np.ndarray, mask: np.ndarray,
     base = {"steps": steps, "batch": int(ids.shape[0]), "source_lengths": mask.sum(1).tolist()}
 
     def teacher_forced() -> Iterator[np.ndarray]:
-        runner = artifact.seq2seq_runner(ids, mask)
-        try:
-            for t in range(steps):
-                yield runner.step(ref_tokens[:, t:t + 1])[:, -1]
-        finally:
-            runner.close()
+        return forced_seq2seq(artifact, ids, mask, ref_tokens[:, :steps])
 
     def generated() -> np.ndarray:
         return artifact.generate(ids, mask, max_new_tokens=steps, stop_token_ids=[], pad_token_id=pad)[:, 1:]
@@ -179,3 +165,64 @@ def compare_steps(teacher_forced: Callable[[], Iterator[np.ndarray]], ref_logits
         passed = cos_min >= tol.min_cosine and (agreement is None or agreement >= tol.min_top1)
     return {"tokens_identical": identical, "max_abs_over_atol": worst, "atol": atol, "ties": ties,
             "wrong_tokens": wrong[:10], "cosine_min": cos_min, "decisive_agreement": agreement, "passed": passed}
+
+
+ROW_COUNTS = (1, 2, 4, 8)
+"""Rows the scheduler's decode steps run at once that the compile checks, each row against itself alone."""
+ROW_STEPS = 3
+
+
+def row_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
+    """``count`` prompts of different lengths (3, 5, 7, ... tokens) cut from the generation prompts' tokens."""
+    tokens = [t for p in prompts for t in p] or [0]
+    while len(tokens) < 2 * count + 1 + count:
+        tokens = tokens + tokens
+    return [tokens[i:i + 3 + 2 * i] for i in range(count)]
+
+
+def verify_rows(artifact: Any, prompts: list[list[int]], precision: str) -> dict[str, Any] | None:
+    """Continuous batching's decode (``SlotCache``: one row per request, each at its own length) with 1, 2, 4 and 8
+    rows of different lengths, every row's step logits against the same row decoded alone (M = 1, the path a lone
+    request takes): a row's answer must not depend on what runs beside it. None where the graph gives every row the
+    same past length (no continuous batching)."""
+    kv = artifact.manifest.data.get("kv_cache") or {}
+    if not kv.get("row_lengths") or not hasattr(artifact.runtime, "slot_cache"):
+        return None
+    rows = row_prompts(prompts, max(ROW_COUNTS))
+    # FP32: float rounding. A quantized graph re-rounds its activations to int8 in every layer, so one kernel's
+    # rounding (M = 1 sums in another order than M > 1 for some formats, docs/verification.md) can move a code, and
+    # the move grows layer by layer: a 2-layer StableLM INT8 moved 1.5e-3 of its largest logit. Its bound is the
+    # precision's own, which a kernel that computes one row wrongly misses by the size of the logits.
+    tol = TOLERANCES[precision if precision in TOLERANCES else "fp32"]
+    positions = max(len(r) for r in rows) + ROW_STEPS + 1
+    if positions > int(kv["capacity"]):
+        return None
+    cache = artifact.runtime.slot_cache(kv, max(ROW_COUNTS), positions)
+    try:
+        alone = []  # per row: the greedy tokens it decodes alone and each step's logits
+        for r in rows:
+            tokens, logits = [int(cache.prefill(0, [np.asarray(r, np.int64)])[0].argmax())], []
+            for s in range(ROW_STEPS):
+                step = cache.decode(np.array(tokens[-1:]), np.array([len(r) + s]))[0]
+                logits.append(step)
+                tokens.append(int(step.argmax()))
+            alone.append((tokens, logits))
+        worst: dict[int, float] = {}
+        same_tokens = True
+        for n in ROW_COUNTS[1:]:
+            for i in range(n):
+                cache.prefill(i, [np.asarray(rows[i], np.int64)])
+            err = 0.0
+            for s in range(ROW_STEPS):
+                step = cache.decode(np.array([alone[i][0][s] for i in range(n)]),
+                                    np.array([len(rows[i]) + s for i in range(n)]))
+                for i in range(n):
+                    ref = alone[i][1][s]
+                    err = max(err, float(np.abs(step[i] - ref).max() / max(1.0, float(np.abs(ref).max()))))
+                    same_tokens &= int(step[i].argmax()) == alone[i][0][s + 1]
+            worst[n] = err
+    finally:
+        cache.close()
+    return {"rows": list(ROW_COUNTS), "steps": ROW_STEPS, "prompt_lengths": [len(r) for r in rows],
+            "max_abs_over_bound": {str(n): e / tol.abs_factor for n, e in worst.items()}, "bound": tol.abs_factor,
+            "tokens_identical": bool(same_tokens), "passed": all(e <= tol.abs_factor for e in worst.values())}

@@ -26,7 +26,8 @@ from kiln.compiler.options import REDUCED_FLOAT, CompileOptions
 from kiln.compiler.quantize.driver import cost_and_gain
 from kiln.compiler.staging import GRAPH
 from kiln.compiler.verify import cases as case_lib
-from kiln.compiler.verify.generation import GENERATION_STEPS, verify_generation, verify_seq2seq
+from kiln.compiler.verify import canary
+from kiln.compiler.verify.generation import GENERATION_STEPS, ROW_COUNTS, verify_generation, verify_rows, verify_seq2seq
 from kiln.compiler.verify.parity import EXACT_SESSION, fails_on_case, failures, fp32_activations, latency, verify
 from kiln.errors import GraphRunError, ParityError
 from kiln.runtimes.artifact import REPORT, SCHEMA_VERSION, Manifest
@@ -114,9 +115,17 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
     if ckpt.kind == "seq2seq":
         say(f"verify generation: {GENERATION_STEPS} greedy steps through encoder + cached decoder vs Hugging Face generate")
         ids, mask = case_lib.seq2seq_sources(ckpt, options.seed)
+        one = int(mask[0].sum())
         with kr.open_manifest(staged, threads=options.threads) as artifact:
             gen = verify_seq2seq(ckpt.model, artifact, ids, mask, GENERATION_STEPS, options.precision)
-        report = {"precision": options.precision, "generation": gen, "passed": gen["passed"], "cases": [], "summary": {}}
+            gen_1 = verify_seq2seq(ckpt.model, artifact, ids[:1, :one], mask[:1, :one], GENERATION_STEPS,
+                                   options.precision)
+            report = {"precision": options.precision, "generation": gen, "generation_1": gen_1,
+                      "passed": gen["passed"] and gen_1["passed"], "cases": [], "summary": {}}
+            if report["passed"]:
+                say("record the canary: the artifact's own acceptance test, run wherever it is loaded")
+                data["canary"] = canary.record(ckpt, artifact, root, options.precision, ckpt.model, False,
+                                               seed=options.seed)
     elif ckpt.streamed:
         report = stream_lib.verify(ckpt, root, staged, data, options, say, codes)
     else:
@@ -144,14 +153,28 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                 if report["passed"] and ckpt.task == "causal-lm":
                     through = "the KV cache" if "kv_cache" in data else "full recomputation (no KV cache)"
                     say(f"verify generation: {GENERATION_STEPS} greedy steps through {through} vs Hugging Face "
-                        "generate" + (" (the codes: FP32-activation graph vs the fake-quantized model)" if codes else ""))
-                    gen = verify_generation(codes if codes is not None else ckpt.model,
-                                            exact_artifact if codes is not None else artifact,
-                                            case_lib.generation_prompts(ckpt, options.seed), GENERATION_STEPS,
-                                            "int4-codes" if codes is not None else options.precision,
-                                            data["generation"]["pad_token_id"])
-                    report["generation"] = gen
-                    report["passed"] = gen["passed"]
+                        "generate, a padded batch and batch 1" +
+                        (" (the codes: FP32-activation graph vs the fake-quantized model)" if codes else ""))
+                    prompts = case_lib.generation_prompts(ckpt, options.seed)
+                    for key, rows in (("generation", prompts), ("generation_1", prompts[:1])):
+                        report[key] = verify_generation(codes if codes is not None else ckpt.model,
+                                                        exact_artifact if codes is not None else artifact, rows,
+                                                        GENERATION_STEPS,
+                                                        "int4-codes" if codes is not None else options.precision,
+                                                        data["generation"]["pad_token_id"])
+                    report["passed"] = report["generation"]["passed"] and report["generation_1"]["passed"]
+                    if report["passed"]:
+                        say(f"verify continuous batching: {', '.join(map(str, ROW_COUNTS))} rows of different lengths, "
+                            "each against itself alone")
+                        rows_report = verify_rows(artifact, prompts, options.precision)
+                        if rows_report is not None:
+                            report["rows"] = rows_report
+                            report["passed"] = rows_report["passed"]
+                if report["passed"]:
+                    say("record the canary: the artifact's own acceptance test, run wherever it is loaded")
+                    data["canary"] = canary.record(ckpt, artifact, root, options.precision,
+                                                   codes if codes is not None else ckpt.model, codes is not None,
+                                                   case_lib.generation_prompts(ckpt, options.seed), options.seed)
                 if numerics:
                     report["numerics"] = numerics
                 if report["passed"] and not emulated:  # an emulation's speed is not the engine's
