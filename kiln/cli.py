@@ -530,8 +530,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     with kr.load(args.artifact, backend=args.backend, threads=args.threads, check=False) as model:
         result = kr.canary.check(model, args.threads)
         if result is None:
-            raise ArtifactError(f"artifact {args.artifact} carries no canary (compiled by an older kiln, or from a "
-                                "streamed checkpoint); recompile it with this kiln to check it on this machine")
+            raise ArtifactError(f"artifact {args.artifact} carries no canary (compiled by an older kiln, or an "
+                                "encoder compiled streamed); recompile it with this kiln to check it on this machine")
         if args.json:
             print(json.dumps(result.to_json(), indent=2))
         else:

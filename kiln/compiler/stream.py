@@ -24,8 +24,9 @@ from kiln.compiler.load import Checkpoint, check_weights, model_kind, read_confi
 from kiln.compiler.options import AWQ_METHODS, STREAM_ABOVE, CompileOptions
 from kiln.compiler.quantize import gptq_format
 from kiln.compiler.staging import GRAPH
+from kiln.compiler.verify import canary
 from kiln.compiler.verify import cases as case_lib
-from kiln.compiler.verify.generation import GENERATION_STEPS
+from kiln.compiler.verify.generation import GENERATION_STEPS, ROW_COUNTS, verify_rows
 from kiln.compiler.verify.parity import EXACT_SESSION, fp32_activations
 from kiln.compiler.verify.streamed import verify_streamed
 from kiln.errors import UsageError
@@ -87,8 +88,12 @@ def verify(ckpt: Checkpoint, root: Path, staged: Manifest, data: dict[str, Any],
                                                                       options.seed)
     prompts = case_lib.generation_prompts(ckpt, options.seed) if "kv_cache" in data and ckpt.task == "causal-lm" else None
     pad = data.get("generation", {}).get("pad_token_id", ckpt.pad_token_id)
+    batch = canary.batch_feeds(ckpt, inputs, options.seed)  # a graph run whole: the canary's one batch
     report = verify_streamed(ckpt, lambda: kr.open_manifest(staged, threads=options.threads), cases,
-                             None if codes is not None else prompts, GENERATION_STEPS, options.precision, pad, say)
+                             None if codes is not None else prompts, GENERATION_STEPS, options.precision, pad, say,
+                             canary_inputs=None if codes is not None else canary.decode_inputs,
+                             canary_batch=None if codes is not None or prompts else batch)
+    entries = report.pop("canary_entries")
     if codes is not None:
         exact_dir = exact_link(root)
         try:
@@ -96,14 +101,29 @@ def verify(ckpt: Checkpoint, root: Path, staged: Manifest, data: dict[str, Any],
                 "dequantized codes, layer by layer")
             exact = verify_streamed(ckpt, lambda: kr.open_manifest(Manifest(exact_dir, data), threads=options.threads,
                                                                    session_config=EXACT_SESSION),
-                                    cases, prompts, GENERATION_STEPS, "int4-codes", pad, say, transform=codes)
+                                    cases, prompts, GENERATION_STEPS, "int4-codes", pad, say, transform=codes,
+                                    canary_inputs=canary.decode_inputs, canary_batch=None if prompts else batch)
         finally:
             shutil.rmtree(exact_dir, ignore_errors=True)
+        entries = exact.pop("canary_entries")
         report["codes"] = {k: exact[k] for k in ("tolerance", "summary", "cases", "passed")}
         report["passed"] = report["passed"] and exact["passed"]
-        if "generation" in exact:
-            report["generation"] = exact["generation"]
-            report["passed"] = report["passed"] and exact["generation"]["passed"]
+        for key in ("generation", "generation_1"):
+            if key in exact:
+                report[key] = exact[key]
+                report["passed"] = report["passed"] and exact[key]["passed"]
+    if report["passed"]:  # the shipped graph: continuous batching's rows, then the canary's bounds
+        with kr.open_manifest(staged, threads=options.threads) as artifact:
+            if prompts:
+                say(f"verify continuous batching: {', '.join(map(str, ROW_COUNTS))} rows of different lengths, "
+                    "each against itself alone")
+                rows = verify_rows(artifact, prompts, options.precision)
+                if rows is not None:
+                    report["rows"], report["passed"] = rows, rows["passed"]
+            if report["passed"] and entries:
+                say("record the canary: the artifact's own acceptance test, run wherever it is loaded")
+                kinds = {name: "batch" if name == "batch" else "decode" for name in entries}
+                data["canary"] = canary.finish(entries, kinds, artifact, root, options.precision, codes is not None)
     say("latency against eager skipped: a streamed checkpoint has no eager model in memory to time")
     return report
 

@@ -134,7 +134,7 @@ def run_canary(model: Model, threads: int | None = None) -> canary.Result | None
                 pool.clear()
     model.canary = result
     if result is None:
-        log.info("%s carries no canary (compiled by an older kiln, or streamed): not checked on this machine",
+        log.info("%s carries no canary (compiled by an older kiln, or a streamed encoder): not checked on this machine",
                  model.manifest.root)
         return None
     log.info("canary %s in %.0f ms on %s", "passed" if result.passed else "failed",

@@ -53,11 +53,15 @@ def test_streamed_fp32_matches_the_in_memory_artifact(sharded, tmp_path):
     assert v["status"] == "passed" and "layer by layer" in v["reference"]
     assert v["generation"]["tokens_identical"] and "teacher-forced" in v["generation"]["reference"]
     assert v["summary"]["logits"]["max_abs"] < 1e-4
+    # batch 1 and continuous batching's rows are verified, and the canary recorded, as in memory
+    assert v["generation_batch_1"]["tokens_identical"] and v["rows"]["rows"] == [1, 2, 4, 8]
+    assert [e["name"] for e in m["canary"]["entries"]] == ["decode_1", "decode_rows", "rows"]
     ids = np.random.default_rng(1).integers(0, 512, (2, 19))
     mask = np.ones_like(ids)
     mask[1, :5] = 0
     feeds = {"input_ids": ids, "attention_mask": mask}
     with kr.load(streamed) as a, kr.load(plain) as b:
+        assert a.canary.passed and a.canary.rows_agree
         got, want = a.run(feeds)["logits"], b.run(feeds)["logits"]
         assert np.abs(got - want)[mask.astype(bool)].max() < 1e-5
         prompt = [[5, 9, 11, 3], [7, 8]]
@@ -144,7 +148,12 @@ def test_streamed_int4_codes_are_verified(sharded, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] and report["codes"]["passed"]
     assert report["codes"]["summary"]["logits"]["max_abs"] < 1e-4  # the packed kernel computes the codes
-    assert report["generation"]["passed"]
+    assert report["generation"]["passed"] and report["generation_1"]["passed"] and report["rows"]["passed"]
+    import kiln.runtimes as kr
+
+    with kr.load(out) as model:  # the canary: the codes' reference, bounds measured on the shipped graph
+        assert json.loads((out / "manifest.json").read_text())["canary"]["reference"] == "codes"
+        assert model.canary.passed
     sizes = {p.name: p.stat().st_size for p in out.iterdir()}
     assert sizes["model.onnx.data"] < 0.45 * layer_and_largest_bytes(sharded)[0] * 3 + 2 * 512 * 64 * 4
 
@@ -351,6 +360,7 @@ def test_encoders_stream(checkpoints, sentence_checkpoint, tmp_path, monkeypatch
     v = m[0]["verification"]
     assert v["status"] == "passed" and "layer by layer" in v["reference"]
     assert [p["stats"] for p in m[0]["passes"]] == [p["stats"] for p in m[1]["passes"]]
+    assert [e["name"] for e in m[0]["canary"]["entries"]] == ["batch"]  # recorded from the same reference pass
     if precision == "int4":
         q = next(p for p in m[0]["passes"] if p["name"] == "quantize-nbits")
         assert q["int4"]["gptq"]["streamed"] and packed_codes(outs[0]) == packed_codes(outs[1])

@@ -111,13 +111,9 @@ def record(ckpt: Any, artifact: Any, root: Path, precision: str, reference_model
         kinds = {"decode_1": "seq2seq", "decode_rows": "seq2seq"}
     elif ckpt.task == "causal-lm" and prompts:
         pad = int(gen.get("pad_token_id", 0))
-        # the longest prompt is the shared row: unpadded beside the others, it differs from itself alone only by
-        # the row count (M), which "rows" then isolates (a left-padded row also moves by the attention's rounding)
-        tokens = [t for p in sorted(prompts, key=len, reverse=True) for t in p]
-        order = [tokens[:n] for n in LENGTHS if n <= len(tokens)] or [tokens]
-        entries["decode_1"] = _decode_entry(reference_model, order[:1], STEPS_1, pad)
-        entries["decode_rows"] = _decode_entry(reference_model, order, STEPS_ROWS, pad)
-        kinds = {"decode_1": "decode", "decode_rows": "decode"}
+        for name, rows, steps in decode_inputs(prompts):
+            entries[name] = _decode_entry(reference_model, rows, steps, pad)
+            kinds[name] = "decode"
     else:
         import dataclasses
 
@@ -125,6 +121,22 @@ def record(ckpt: Any, artifact: Any, root: Path, precision: str, reference_model
         runner = trace.EagerRunner(dataclasses.replace(ckpt, model=reference_model))
         entries["batch"] = _batch_entry(runner, batch_feeds(ckpt, inputs, seed))
         kinds = {"batch": "batch"}
+    return finish(entries, kinds, artifact, root, precision, codes)
+
+
+def decode_inputs(prompts: list[list[int]]) -> list[tuple[str, list[list[int]], int]]:
+    """A decoder's canary rows: (entry, prompts, steps). The longest prompt's first tokens are the shared row: unpadded
+    beside the others, it differs from itself alone only by the row count (M), which ``rows`` then isolates (a
+    left-padded row also moves by the attention's rounding)."""
+    tokens = [t for p in sorted(prompts, key=len, reverse=True) for t in p]
+    order = [tokens[:n] for n in LENGTHS if n <= len(tokens)] or [tokens]
+    return [("decode_1", order[:1], STEPS_1), ("decode_rows", order, STEPS_ROWS)]
+
+
+def finish(entries: dict[str, dict[str, np.ndarray]], kinds: dict[str, str], artifact: Any, root: Path,
+           precision: str, codes: bool) -> dict[str, Any]:
+    """Each entry's bound from the error ``artifact`` (the shipped graph, opened) has against its reference here;
+    ``canary.npz`` written into ``root``; the manifest's section returned."""
     least = floor(precision, codes)
     floor_cos = TOLERANCES[precision].min_cosine if precision in TOLERANCES else None
     section: list[dict[str, Any]] = []

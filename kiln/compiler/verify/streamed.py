@@ -23,6 +23,7 @@ from kiln.compiler.load import Checkpoint
 from kiln.compiler.verify.generation import compare_steps
 from kiln.compiler.verify.parity import TOLERANCES
 from kiln.errors import GraphRunError
+from kiln.runtimes.canary import forced_steps
 from kiln.runtimes.generation import pad_rows
 
 log = logging.getLogger(__name__)
@@ -73,19 +74,10 @@ def compare_generation(artifact: Any, prompt: Any, tokens: np.ndarray, ref_logit
     p = prompt.ids.shape[1]
     ref_steps = np.ascontiguousarray(ref_logits[:, p - 1:].transpose(1, 0, 2))  # (steps, batch, vocab)
     ref_next = ref_steps.argmax(-1).T  # (batch, steps): the reference's choice after the artifact's prefix
-    kv = artifact.manifest.data["kv_cache"]
     batch = tokens.shape[0]
 
     def teacher_forced() -> Iterator[np.ndarray]:
-        runner = artifact.runtime.cache_runner(kv, batch)
-        mask = prompt.mask
-        try:
-            yield runner.step(prompt.ids, mask)[:, -1]
-            for t in range(steps - 1):
-                mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], 1)
-                yield runner.step(tokens[:, t:t + 1], mask)[:, -1]
-        finally:
-            runner.close()
+        return forced_steps(artifact, prompt.ids, prompt.mask, tokens[:, :steps - 1])
 
     base = {"steps": steps, "batch": batch, "prompt_lengths": prompt.mask.sum(1).tolist(),
             "reference": "teacher-forced over the artifact's greedy tokens, layer by layer from the checkpoint"}
@@ -94,7 +86,9 @@ def compare_generation(artifact: Any, prompt: Any, tokens: np.ndarray, ref_logit
 
 def verify_streamed(ckpt: Checkpoint, open_artifact: Callable[[], Any], cases: list[Any],
                     prompts: list[list[int]] | None, steps: int, precision: str, pad_id: int,
-                    say: Callable[[str], None], transform: Transform | None = None) -> dict[str, Any]:
+                    say: Callable[[str], None], transform: Transform | None = None,
+                    canary_inputs: Callable[[list[list[int]]], list[tuple[str, list[list[int]], int]]] | None = None,
+                    canary_batch: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Parity over ``cases`` and (``prompts``) the generation check, with one layer-by-layer reference pass.
 
     ``open_artifact()``: a context manager yielding the loaded artifact. It is opened twice (to generate, then to
@@ -102,12 +96,20 @@ def verify_streamed(ckpt: Checkpoint, open_artifact: Callable[[], Any], cases: l
     from kiln.compiler.verify.parity import fails_on_case, verify
 
     feeds = [c.feeds for c in cases]
-    gen = None
+    gens: dict[str, Any] = {}
+    canary_rows: dict[str, tuple[Any, np.ndarray, dict]] = {}
     if prompts:
-        say(f"verify generation: {steps} greedy steps through the artifact's KV cache, scored by the reference")
+        say(f"verify generation: {steps} greedy steps through the artifact's KV cache, a padded batch and batch 1, "
+            "scored by the reference")
         with open_artifact() as artifact:
-            gen = generation_feeds(artifact, prompts, steps, pad_id)
-        feeds.append(gen[2])
+            gens = {"generation": generation_feeds(artifact, prompts, steps, pad_id),
+                    "generation_1": generation_feeds(artifact, prompts[:1], steps, pad_id)}
+            if canary_inputs:  # the canary's rows: the artifact's own greedy tokens, scored in the same pass
+                canary_rows = {name: generation_feeds(artifact, rows, n + 1, pad_id)
+                               for name, rows, n in canary_inputs(prompts)}
+        feeds += [g[2] for g in gens.values()] + [g[2] for g in canary_rows.values()]
+    if canary_batch is not None:
+        feeds.append(canary_batch)
     say(f"reference: {len(feeds)} inputs through {len(lazy.layer_stack(ckpt.model)[0])} layers, one layer in memory "
         "at a time")
     outputs = reference_outputs(ckpt, feeds, say, transform)
@@ -117,9 +119,23 @@ def verify_streamed(ckpt: Checkpoint, open_artifact: Callable[[], Any], cases: l
         except GraphRunError as e:
             raise fails_on_case(ckpt.path, e) from e
         report["reference"] = "layer by layer from the checkpoint (streamed), FP32 compute"
-        if gen is not None and report["passed"]:
-            prompt, tokens, _ = gen
-            report["generation"] = compare_generation(artifact, prompt, tokens, outputs[-1]["logits"], steps,
-                                                      precision)
-            report["passed"] = report["generation"]["passed"]
+        scored = dict(zip([*gens, *canary_rows], outputs[len(cases):]))
+        for key, (prompt, tokens, _) in gens.items():
+            if report["passed"]:
+                report[key] = compare_generation(artifact, prompt, tokens, scored[key]["logits"], steps, precision)
+                report["passed"] = report[key]["passed"]
+    report["canary_entries"] = {name: decode_entry(prompt, tokens, scored[name]["logits"])
+                                for name, (prompt, tokens, _) in canary_rows.items()}
+    if canary_batch is not None:  # a graph run whole: the feeds and the reference's outputs
+        report["canary_entries"]["batch"] = {**{f"in.{k}": v for k, v in canary_batch.items()},
+                                             **{f"out.{k}": np.asarray(v, np.float32) for k, v in outputs[-1].items()}}
     return report
+
+
+def decode_entry(prompt: Any, tokens: np.ndarray, logits: np.ndarray) -> dict[str, np.ndarray]:
+    """A canary decode entry from the artifact's greedy tokens (prefill, then ``tokens[:, :-1]`` fed) and the
+    reference's logits over the whole sequence: the prefill's last position and each fed token's."""
+    p = prompt.ids.shape[1]
+    fed = tokens[:, :-1]
+    return {"ids": prompt.ids, "mask": prompt.mask, "tokens": np.ascontiguousarray(fed, np.int64),
+            "logits": np.ascontiguousarray(logits[:, p - 1:p + fed.shape[1]].transpose(1, 0, 2), np.float32)}
