@@ -525,9 +525,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """The canary on this machine and backend: the machine line, then one line per entry point."""
     import kiln.runtimes as kr
 
-    if args.backend not in kr.BACKENDS:
-        raise UsageError(f"--backend {args.backend!r}; choose one of {', '.join(kr.BACKENDS)}")
-    with kr.load(args.artifact, backend=args.backend, threads=args.threads, check=False) as model:
+    with _load(args, check=False) as model:
         result = kr.canary.check(model, args.threads)
         if result is None:
             raise ArtifactError(f"artifact {args.artifact} carries no canary (compiled by an older kiln, or an "
@@ -552,13 +550,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> Any:
-    """An artifact for run/generate on --backend; ``auto`` says on stderr what it chose and why."""
+def _load(args: argparse.Namespace, check: bool = True) -> Any:
+    """An artifact for run/generate/check on --backend; ``auto`` says on stderr what it chose and why."""
     import kiln.runtimes as kr
 
     if args.backend not in kr.BACKENDS:
         raise UsageError(f"--backend {args.backend!r}; choose one of {', '.join(kr.BACKENDS)}")
-    model = kr.load(args.artifact, backend=args.backend, threads=args.threads)
+    model = kr.load(args.artifact, backend=args.backend, threads=args.threads, check=check)
     if args.backend == "auto":
         b = model.backend
         print(f"kiln {args.command}: backend {b['name']} ("

@@ -94,6 +94,12 @@ def error(out: np.ndarray, ref: np.ndarray) -> float:
     return float((np.abs(out - r).max(1) / scale).max()) if r.size else 0.0
 
 
+def rows_error(one: np.ndarray, many: np.ndarray) -> float:
+    """The shared row (row 0) decoded beside others (``many``) against alone (``one``), over the steps both ran."""
+    steps = min(len(one), len(many))
+    return error(many[:steps, :1], one[:steps, :1])
+
+
 def forced_steps(model: Any, ids: np.ndarray, mask: np.ndarray, tokens: np.ndarray) -> Iterator[np.ndarray]:
     """A decoder fed a left-padded prompt, then the given tokens one step at a time (teacher forcing), through its KV
     cache or, without one, recomputation: the last position's logits (rows, vocab) of the prefill and of each step."""
@@ -250,9 +256,7 @@ def check(model: Any, threads: int | None = None) -> Result | None:
         try:
             cos = 1.0
             if kind == "rows":  # the shared prompt is row 0 of decode_rows: its steps against decode_1's
-                one, many = got[entry["of"][0]], got[entry["of"][1]]
-                steps = min(len(one), len(many))
-                err = error(many[:steps, :1], one[:steps, :1])
+                err = rows_error(got[entry["of"][0]], got[entry["of"][1]])
             else:
                 got[name] = outputs(model, kind, grouped[name])
                 err, cos = entry_error(kind, got[name], grouped[name])

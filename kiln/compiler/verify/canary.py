@@ -152,9 +152,7 @@ def finish(entries: dict[str, dict[str, np.ndarray]], kinds: dict[str, str], art
             entry.update(rows=rows, steps=int(arrays["tokens"].shape[1]))
         section.append(entry)
     if "decode_rows" in got:  # the shared prompt beside other rows against alone, to the exact floor
-        one, many = got["decode_1"], got["decode_rows"]
-        steps = min(len(one), len(many))
-        measured = lib.error(many[:steps, :1], one[:steps, :1])
+        measured = lib.rows_error(got["decode_1"], got["decode_rows"])
         exact = TOLERANCES["int4-codes"].abs_factor if precision != "fp32" else TOLERANCES["fp32"].abs_factor
         section.append({"name": "rows", "kind": "rows", "of": ["decode_1", "decode_rows"],
                         "bound": max(exact, MARGIN * measured), "measured": measured})

@@ -19,7 +19,7 @@ import torch
 from kiln.compiler.verify import metrics
 from kiln.compiler.verify.parity import TOLERANCES, Tolerance
 from kiln.errors import KilnError
-from kiln.runtimes.canary import forced_seq2seq, forced_steps
+from kiln.runtimes.canary import error, forced_seq2seq, forced_steps
 from kiln.runtimes.generation import pad_rows
 
 
@@ -218,7 +218,7 @@ def verify_rows(artifact: Any, prompts: list[list[int]], precision: str) -> dict
                                     np.array([len(rows[i]) + s for i in range(n)]))
                 for i in range(n):
                     ref = alone[i][1][s]
-                    err = max(err, float(np.abs(step[i] - ref).max() / max(1.0, float(np.abs(ref).max()))))
+                    err = max(err, error(step[i], ref))
                     same_tokens &= int(step[i].argmax()) == alone[i][0][s + 1]
             worst[n] = err
     finally:

@@ -133,6 +133,7 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
         cases = case_lib.text_cases(ckpt, inputs) + case_lib.random_cases(ckpt, inputs, options.verify_max_length,
                                                                           options.seed)
         eager = trace.EagerRunner(ckpt)
+        prompts = case_lib.generation_prompts(ckpt, options.seed)  # generation, continuous batching, the canary
         exact_dir = exact_copy(root) if codes is not None else None
         emulated, numerics = numerics_graph(root, options.precision) if options.precision in REDUCED_FLOAT else (None, {})
         if numerics:
@@ -155,7 +156,6 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                     say(f"verify generation: {GENERATION_STEPS} greedy steps through {through} vs Hugging Face "
                         "generate, a padded batch and batch 1" +
                         (" (the codes: FP32-activation graph vs the fake-quantized model)" if codes else ""))
-                    prompts = case_lib.generation_prompts(ckpt, options.seed)
                     for key, rows in (("generation", prompts), ("generation_1", prompts[:1])):
                         report[key] = verify_generation(codes if codes is not None else ckpt.model,
                                                         exact_artifact if codes is not None else artifact, rows,
@@ -174,7 +174,7 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
                     say("record the canary: the artifact's own acceptance test, run wherever it is loaded")
                     data["canary"] = canary.record(ckpt, artifact, root, options.precision,
                                                    codes if codes is not None else ckpt.model, codes is not None,
-                                                   case_lib.generation_prompts(ckpt, options.seed), options.seed)
+                                                   prompts, options.seed)
                 if numerics:
                     report["numerics"] = numerics
                 if report["passed"] and not emulated:  # an emulation's speed is not the engine's
