@@ -127,7 +127,11 @@ class Runtime(abc.ABC):
         """A step runner for an encoder-decoder's decoder graph given the encoder's cross keys/values."""
         return Seq2SeqRunner(self, kv, cross, mask)
 
-    def slot_cache(self, kv: dict, slots: int, positions: int) -> Any:
+    def keeps_rows(self, kv: dict) -> bool:
+        """Whether ``slot_cache`` serves this artifact's cache: a row per prompt, each at its own length."""
+        return False
+
+    def slot_cache(self, kv: dict, slots: int, positions: int, pooled: bool = False) -> Any:
         """The per-request rows of continuous batching (``kiln.runtimes.scheduler``): a backend whose cache is one
         buffer written in place at each row's own position (ONNX Runtime's GroupQueryAttention)."""
         raise ArtifactError(f"backend {self.name or type(self).__name__} keeps a growing (Concat) KV cache whose rows "

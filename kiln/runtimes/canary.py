@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import ArtifactError, KilnError
+from kiln.runtimes.generation import Prompt, RowRunner, unpadded
 
 CANARY = "canary.npz"
 MAX_BYTES = 64 << 20
@@ -106,6 +107,9 @@ def forced_steps(model: Any, ids: np.ndarray, mask: np.ndarray, tokens: np.ndarr
     data = model.manifest.data
     kv = data.get("kv_cache")
     rows = ids.shape[0]
+    if kv and data["model"]["task"] == "causal-lm" and model.runtime.keeps_rows(kv):  # as Model.generate runs it
+        yield from forced_rows(model, Prompt(ids, mask), tokens)
+        return
     runner = model.runtime.cache_runner(kv, rows, ids.shape[1] + tokens.shape[1]) if kv else \
         model.runtime.recompute_runner(rows, (data.get("generation") or {}).get("logits_to_keep"))
     try:
@@ -113,6 +117,20 @@ def forced_steps(model: Any, ids: np.ndarray, mask: np.ndarray, tokens: np.ndarr
         for t in range(tokens.shape[1]):
             mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], 1)
             yield runner.step(tokens[:, t:t + 1], mask)[:, -1]
+    finally:
+        runner.close()
+
+
+def forced_rows(model: Any, prompt: Prompt, tokens: np.ndarray) -> Iterator[np.ndarray]:
+    """``forced_steps`` with a row of the cache per prompt, each at its own length (``generation.RowRunner``, the
+    path ``Model.generate`` and continuous batching run). A lone prompt decodes at one row (M = 1), whatever this
+    machine's ``generation.row_policy``: the one-row path is what ``decode_1`` checks. The prompts share one prefill
+    (each row attending to its own tokens): a graph run streams every weight, and the canary's cost is its runs."""
+    runner = RowRunner(model.runtime, model.manifest.data["kv_cache"], unpadded(prompt), tokens.shape[1] + 1)
+    try:
+        yield runner.first()
+        for t in range(tokens.shape[1]):
+            yield runner.step(tokens[:, t])
     finally:
         runner.close()
 

@@ -1,9 +1,11 @@
-"""The generation loop: prefill, then one token per step through the backend's cache runner.
+"""The generation loop: prefill, then one token per step through the backend's cache.
 
-Backend-agnostic (numpy only): the backend supplies ``cache_runner`` (ONNX Runtime binds one
-in-place KV buffer per layer); this module batches left-padded prompts, picks tokens
-(``sampling``), handles stop tokens and padding of finished rows the way Hugging Face's
-``generate`` does, and checks everything a caller can get wrong before the first step.
+Backend-agnostic (numpy only). Where the backend keeps a row per prompt, each at its own length (``slot_cache``:
+ONNX Runtime's in-place GroupQueryAttention cache, the one continuous batching runs), every prompt of a batch runs
+in its own row exactly as it would alone (``row_steps``); elsewhere (TensorRT's growing cache, older graphs) the
+prompts are left-padded into one batch (``steps``). Either way this module picks tokens (``sampling``), handles stop
+tokens and padding of finished rows the way Hugging Face's ``generate`` does, and checks everything a caller can get
+wrong before the first step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 
 from kiln.errors import ArtifactError, InputError
 from kiln.runtimes.sampling import Sampling, choose
+
+PREFILL_TOKENS = 256  # rows x longest prompt of one batched prefill (logits of every position: 50 MB at 49k vocab)
 
 
 @dataclass
@@ -143,6 +147,87 @@ def steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_t
             return runner.step(prompt.ids, mask)[:, -1]
         mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], 1)
         return runner.step(tokens[:, None], mask)[:, -1]
+
+    return decode(prompt.ids, advance, runner.close, max_new_tokens, sampling, stop_ids, pad_id, seed)
+
+
+def row_policy(manifest_data: dict[str, Any], canary: Any) -> tuple[int, bool]:
+    """How a decoder's rows run here: (rows every decode step runs, whether prompts of different lengths share a
+    prefill). ONNX Runtime's MatMulNBits computes one row (M = 1) with another kernel than several rows, which can
+    round differently (docs/verification.md); a quantized graph re-rounds its activations to int8 in every layer, so
+    that rounding can move its tokens. An FP32 artifact, or a quantized one whose canary showed on this machine that
+    one row decodes as it does beside others (``canary.rows_agree``), decodes a lone row alone; any other quantized
+    artifact decodes at least two rows (an idle one beside a lone row), so a prompt's tokens do not depend on what
+    runs beside it. Quantized artifacts join prompts of one length only: their padding rows cost as much as real
+    ones in MatMulNBits."""
+    quantized = str(manifest_data.get("precision", "")).startswith(("int8", "int4"))
+    one_row = not quantized or (canary is not None and canary.rows_agree is True)
+    return (1 if one_row else 2), not quantized
+
+
+def joins(group: Sequence[int], length: int, mixed: bool) -> bool:
+    """Whether a prompt of ``length`` tokens joins a batched prefill of prompts of lengths ``group`` (right-padded
+    into consecutive rows, each row attending to its own tokens only): at most ``PREFILL_TOKENS`` rows x longest
+    prompt, prompts of one length unless ``mixed``, and a one-token prompt always alone (its prefill alone is one
+    row, M = 1, as it is when it runs alone)."""
+    return ((len(group) + 1) * max(length, *group) <= PREFILL_TOKENS and min(length, group[0]) >= 2
+            and (mixed or length == group[0]))
+
+
+class RowRunner:
+    """Prompts in rows of the backend's slot cache (``runtime.slot_cache``), each at its own length, as continuous
+    batching runs them: ``first()`` prefills each prompt from position 0 of its own row (consecutive prompts together
+    where ``joins`` allows) and gives each prompt's last logits (rows, vocab); ``step(tokens)`` feeds one token per
+    row, every row at once (at least ``min_rows``: idle rows beside a lone one, see ``row_policy``)."""
+
+    def __init__(self, runtime: Any, kv: dict[str, Any], rows: Sequence[np.ndarray], new_tokens: int,
+                 min_rows: int = 1, mixed: bool = True) -> None:
+        self.rows = [np.asarray(r, np.int64) for r in rows]
+        self.lengths = np.asarray([len(r) for r in self.rows], np.int64)
+        self.count = max(len(self.rows), min_rows)
+        self.mixed = mixed
+        self.cache = runtime.slot_cache(kv, self.count, int(self.lengths.max()) + new_tokens, pooled=True)
+
+    def first(self) -> np.ndarray:
+        groups: list[list[int]] = [[0]]
+        for i in range(1, len(self.rows)):
+            if joins([len(self.rows[j]) for j in groups[-1]], len(self.rows[i]), self.mixed):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return np.concatenate([self.cache.prefill(g[0], [self.rows[j] for j in g]) for g in groups])
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        fed = np.zeros(self.count, np.int64)  # an idle row: token 0 written at position 0, never read back
+        at = np.zeros(self.count, np.int64)
+        fed[:len(self.rows)], at[:len(self.rows)] = np.asarray(tokens).reshape(-1), self.lengths
+        self.lengths = self.lengths + 1
+        return self.cache.decode(fed, at)[:len(self.rows)]
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def unpadded(prompt: Prompt) -> list[np.ndarray]:
+    """Each row's real tokens (the mask's 1s) of a padded prompt array."""
+    real = prompt.mask.astype(bool)
+    return [prompt.ids[i, real[i]] for i in range(real.shape[0])]
+
+
+def row_steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_tokens: int, sampling: Sampling,
+              stop_ids: Sequence[int], pad_id: int, seed: int | None, min_rows: int = 1,
+              mixed: bool = True) -> Iterator[np.ndarray]:
+    """Decoder-only generation with a row of the cache per prompt (``RowRunner``): a prompt's tokens are those it
+    gets alone, whatever else is in the batch and however it is padded. Yields the tokens so far as ``steps`` does:
+    the left-padded prompt array, then the generated tokens."""
+    kv = manifest_data["kv_cache"]
+    rows = unpadded(prompt)
+    check_request(kv, max(len(r) for r in rows), max_new_tokens, sampling,
+                  int(manifest_data["model"]["max_sequence_length"]))
+    runner = RowRunner(runtime, kv, rows, max_new_tokens, min_rows, mixed)
+
+    def advance(tokens: np.ndarray | None) -> np.ndarray:
+        return runner.first() if tokens is None else runner.step(tokens)
 
     return decode(prompt.ids, advance, runner.close, max_new_tokens, sampling, stop_ids, pad_id, seed)
 

@@ -10,7 +10,7 @@ import numpy as np
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import Runtime, check_token_ids, cut_blocks, in_blocks, prepare_feeds
-from kiln.runtimes.generation import as_prompt, as_source, seq2seq_steps, steps, stream_text
+from kiln.runtimes.generation import as_prompt, as_source, row_policy, row_steps, seq2seq_steps, steps, stream_text
 from kiln.runtimes.sampling import GenerateOptions, Sampling
 from kiln.runtimes.tokenizer import TextEncoder
 
@@ -93,7 +93,9 @@ class Model:
                  pad_token_id: int | None = None, seed: int | None = None) -> np.ndarray:
         """Token ids (batch, prompt + new). ``input_ids``: a left-padded (batch, prompt) array with its
         ``attention_mask``, or a list of token lists of any lengths (left-padded here). Stops at
-        ``max_new_tokens`` or when every row produced a stop token (default: the model's eos ids)."""
+        ``max_new_tokens`` or when every row produced a stop token (default: the model's eos ids). On ONNX Runtime
+        each prompt decodes in its own row of the cache, as continuous batching runs it: its tokens are those it
+        gets alone, whatever else is in the batch (``generation.row_steps``)."""
         sampling, stop, pad = self._generation(stop_token_ids, pad_token_id, do_sample=do_sample,
                                                temperature=temperature, top_k=top_k, top_p=top_p,
                                                repetition_penalty=repetition_penalty)
@@ -109,7 +111,11 @@ class Model:
                                  max_new_tokens, sampling, stop, pad, seed)
         prompt = as_prompt(input_ids, attention_mask, pad)
         check_token_ids("input_ids", prompt.ids[prompt.mask.astype(bool)], self.vocab_size)
-        return steps(self.runtime, self.manifest.data, prompt, max_new_tokens, sampling, stop, pad, seed)
+        data = self.manifest.data
+        if data["model"]["task"] == "causal-lm" and self.runtime.keeps_rows(data.get("kv_cache") or {}):
+            min_rows, mixed = row_policy(data, self.canary)
+            return row_steps(self.runtime, data, prompt, max_new_tokens, sampling, stop, pad, seed, min_rows, mixed)
+        return steps(self.runtime, data, prompt, max_new_tokens, sampling, stop, pad, seed)
 
     def seq2seq_runner(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> Any:
         """Encoder-decoders: run the encoder once; the runner steps the decoder over its cache."""

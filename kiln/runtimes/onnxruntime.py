@@ -88,10 +88,13 @@ class OnnxRuntime(Runtime):
     def seq2seq_runner(self, kv: dict, cross: dict[str, np.ndarray], mask: np.ndarray) -> Seq2SeqRunner:
         return BoundSeq2SeqCache(self.session, kv, cross, mask)
 
-    def slot_cache(self, kv: dict, slots: int, positions: int) -> SlotCache:
+    def keeps_rows(self, kv: dict) -> bool:
+        return bool(kv.get("row_lengths")) and bool(kv.get("shared_buffer", True))
+
+    def slot_cache(self, kv: dict, slots: int, positions: int, pooled: bool = False) -> SlotCache:
         if not kv.get("shared_buffer", True):
-            return super().slot_cache(kv, slots, positions)
-        return SlotCache(self, kv, slots, positions)
+            return super().slot_cache(kv, slots, positions, pooled)
+        return SlotCache(self, kv, slots, positions, pooled)
 
 
 BUCKET_MIN = 64
@@ -222,12 +225,15 @@ class SlotCache:
     past length in the graph, as in decoding; padding is written past the row's end and overwritten by its next
     tokens); ``decode`` binds rows ``[0, n)`` and feeds a right-padded mask whose last 1 in each row is where that
     row's new token goes (the graph takes each row's past length from it). Bindings are made once per row range,
-    then reused."""
+    then reused. ``pooled`` (one generate call): ``positions`` rounded up by ``bucket`` and the buffers taken from
+    the runtime's pool, given back at ``close``."""
 
-    def __init__(self, runtime: OnnxRuntime, kv: dict, slots: int, positions: int) -> None:
+    def __init__(self, runtime: OnnxRuntime, kv: dict, slots: int, positions: int, pooled: bool = False) -> None:
         self.runtime = runtime
         self.kv = kv
-        self.arrays = {name: np.zeros(cache_shape(kv, name, slots, positions), np.float32) for name in kv["past"]}
+        self.pooled = (slots, bucket(positions, int(kv["capacity"]))) if pooled else None
+        self.arrays = runtime.pool.take(kv, *self.pooled) if self.pooled else \
+            {name: np.zeros(cache_shape(kv, name, slots, positions), np.float32) for name in kv["past"]}
         session = runtime.session
         self.vocab = int(next(o.shape[-1] for o in session.get_outputs() if o.name == "logits"))
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list]] = {}
@@ -284,6 +290,8 @@ class SlotCache:
         return self._run(self._binding(0, len(tokens)), ids, mask)[:, -1]
 
     def close(self) -> None:
+        if self.pooled and self.arrays:
+            self.runtime.pool.give(*self.pooled, self.arrays)
         self._bindings, self.arrays = {}, {}
 
 

@@ -11,7 +11,7 @@ bit for bit, tested), and then decodes with every other active request: one grap
 (GroupQueryAttention's ``seqlens_k``: the index of the row's last 1) and its rotary position. A free slot below the
 highest busy one runs as an idle row (position 0, nothing read back) until a new request takes it, and the row that
 joined in the same step idles at the position its next token will overwrite; new requests take the lowest free slot.
-At most one prefill runs between two decode steps (of at most ``PREFILL_TOKENS`` rows x longest prompt, or one longer
+At most one prefill runs between two decode steps (of at most ``generation.PREFILL_TOKENS`` rows x longest prompt, or one longer
 prompt alone), so joining requests stall the others for at most one prefill.
 
 Per request: its own sampling settings, seed (its own generator, drawn once per token, as when served alone), stop
@@ -33,12 +33,11 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import ArtifactError, InputError, KilnError
-from kiln.runtimes.generation import check_request, stream_text
+from kiln.runtimes.generation import check_request, joins, row_policy, stream_text
 from kiln.runtimes.sampling import GenerateOptions, Sampling, choose
 
 _D = GenerateOptions()
 _END = object()
-PREFILL_TOKENS = 256  # rows x longest prompt of one batched prefill (logits of every position: 50 MB at 49k vocab)
 
 
 class QueueFull(KilnError):
@@ -170,11 +169,8 @@ class Scheduler:
             raise InputError(f"slots {slots} must be >= 1 and queue_limit {queue_limit} >= 0")
         self.model, self.kv = model, kv
         self.slots, self.queue_limit = slots, queue_limit
-        quantized = str(data.get("precision", "")).startswith(("int8", "int4"))
-        checked = getattr(model, "canary", None)
-        one_row = not quantized or (checked is not None and checked.rows_agree is True)
-        self.min_rows = min(slots, min_rows if min_rows is not None else 1 if one_row else 2)
-        self.join_mixed = not quantized  # prompts of different lengths share a prefill (see _join)
+        floor, self.join_mixed = row_policy(data, getattr(model, "canary", None))  # join_mixed: see _join
+        self.min_rows = min(slots, min_rows if min_rows is not None else floor)
         self.positions = min(int(positions or kv["capacity"]), int(kv["capacity"]))
         self.max_model = int(data["model"]["max_sequence_length"])
         gen = data.get("generation") or {}
@@ -305,12 +301,12 @@ class Scheduler:
 
     def _join(self) -> list[Request]:
         """Waiting requests that join in this step (under the lock): the next ones in arrival order, into consecutive
-        free slots from the lowest, so one batched prefill writes them all; at most ``PREFILL_TOKENS`` rows x longest
-        prompt (a longer prompt joins alone). A one-token prompt always joins alone: its prefill alone is one row
-        (M = 1), which quantized MatMulNBits computes with another kernel (see ``min_rows``). Quantized artifacts join
-        prompts of one length only: their padding rows and the extra logits rows cost as much as real ones in
-        MatMulNBits (SmolLM2-135M INT4, 8 prompts of 6-10 tokens: 214 ms joined vs 186 ms one by one; 8 of 8 tokens:
-        161 vs 216 ms; FP32 154 vs 241 and 106 vs 246 ms)."""
+        free slots from the lowest, so one batched prefill writes them all, as far as ``generation.joins`` allows: at
+        most ``PREFILL_TOKENS`` rows x longest prompt (a longer prompt joins alone); a one-token prompt alone (its
+        prefill alone is one row, M = 1, which quantized MatMulNBits computes with another kernel: see ``min_rows``);
+        quantized artifacts join prompts of one length only: their padding rows and the extra logits rows cost as
+        much as real ones in MatMulNBits (SmolLM2-135M INT4, 8 prompts of 6-10 tokens: 214 ms joined vs 186 ms one by
+        one; 8 of 8 tokens: 161 vs 216 ms; FP32 154 vs 241 and 106 vs 246 ms)."""
         joining: list[Request] = []
         while self._waiting and None in self._rows:
             candidate = self._waiting[0]
@@ -319,10 +315,8 @@ class Scheduler:
                 continue
             if joining:
                 slot = joining[-1].slot + 1
-                width = max(len(candidate.prompt), *(len(r.prompt) for r in joining))
-                if (slot >= self.slots or self._rows[slot] is not None or (len(joining) + 1) * width > PREFILL_TOKENS
-                        or min(len(candidate.prompt), len(joining[0].prompt)) < 2
-                        or not self.join_mixed and len(candidate.prompt) != len(joining[0].prompt)):
+                if (slot >= self.slots or self._rows[slot] is not None
+                        or not joins([len(r.prompt) for r in joining], len(candidate.prompt), self.join_mixed)):
                     break
             else:
                 slot = self._rows.index(None)

@@ -59,17 +59,17 @@ def test_one_damaged_weight_is_refused_at_load_and_by_check(artifacts, tmp_path,
 class WrongAtOneRow(OnnxRuntime):
     """A backend whose one-row decode (M = 1) computes a slightly different answer: what a wrong kernel path does."""
 
-    def cache_runner(self, kv, batch, length=None):
-        runner = super().cache_runner(kv, batch, length)
-        step = runner.step
+    def slot_cache(self, kv, slots, positions, pooled=False):
+        cache = super().slot_cache(kv, slots, positions, pooled)
+        decode = cache.decode
 
-        def wrong(ids, mask):
-            out = step(ids, mask)
-            if ids.shape == (1, 1):
+        def wrong(tokens, lengths):
+            out = decode(tokens, lengths)
+            if len(tokens) == 1:
                 out = out + 1e-3 * np.abs(out).max()  # 10x the FP32 bound: a planted bug this small must fail
             return out
-        runner.step = wrong
-        return runner
+        cache.decode = wrong
+        return cache
 
 
 def test_a_wrong_one_row_kernel_is_refused(artifacts, monkeypatch):

@@ -60,6 +60,30 @@ def test_in_place_cache_is_bit_exact_with_a_growing_cache(artifacts):
         assert np.asarray(shared.buffers["past_key_values.0.key"].numpy()).shape[2] == kv["capacity"]
 
 
+@pytest.mark.parametrize("plant", [None, "one position for every row"])
+def test_each_prompt_of_a_batch_decodes_as_it_does_alone(artifacts, monkeypatch, plant):
+    """Each prompt runs in its own row of the cache (as continuous batching runs it), so its tokens are those it
+    gets alone, whatever else is in the batch, in any order, padded any way (a pad-only column in front too). The
+    planted bug, every row decoded at the longest row's position (a graph without per-row lengths), must fail here
+    (loaded unchecked) and make the canary refuse the load."""
+    if plant:
+        from kiln.runtimes.onnxruntime import SlotCache
+
+        decode = SlotCache.decode
+        monkeypatch.setattr(SlotCache, "decode", lambda self, t, n: decode(self, t, np.full_like(n, n.max())))
+        with pytest.raises(kr.CanaryError, match="decode_rows"):  # the canary runs these rows: load refuses
+            kr.load(artifacts["llama"], threads=2)
+    with kr.load(artifacts["llama"], threads=2, check=not plant) as model:
+        alone = [model.generate([r], max_new_tokens=20, stop_token_ids=[])[0, len(r):].tolist() for r in ROWS]
+        ids, mask = left_padded(ROWS[::-1] + [ROWS[1]])
+        ids, mask = np.pad(ids, ((0, 0), (1, 0))), np.pad(mask, ((0, 0), (1, 0)))
+        batch = model.generate(ids, mask, max_new_tokens=20, stop_token_ids=[])
+    assert batch.shape == (4, 15 + 20) and (batch[:, :15] == ids).all()
+    rows = batch[:, 15:].tolist()
+    same = rows == alone[::-1] + [alone[1]]
+    assert same != bool(plant)
+
+
 def test_stop_token_pads_finished_rows(artifacts):
     with kr.load(artifacts["llama"], threads=2) as model:
         free = model.generate(ROWS, max_new_tokens=8, stop_token_ids=[], pad_token_id=0)

@@ -83,9 +83,12 @@ def test_quantized_rows_batch_like_alone(tmp_path, checkpoints, precision):
         assert Scheduler(model, slots=4).min_rows == (1 if model.canary.rows_agree else 2)
         want = [alone(model, p, n) for p, n in zip(PROMPTS, NEW)]
         streams, _ = mixed(model, slots=4, cancel=5)
+        batch = model.generate(PROMPTS, max_new_tokens=max(NEW), stop_token_ids=[])  # Model.generate: a row each
     assert [s.tokens for s in streams[:5]] == want[:5]
+    assert [batch[i, -max(NEW):][:n].tolist() for i, n in enumerate(NEW)] == want
     with kr.load(art, threads=2, check=False) as model:  # unchecked: a quantized artifact keeps two rows
         assert model.canary is None and Scheduler(model, slots=4).min_rows == 2
+        assert [alone(model, p, n) for p, n in zip(PROMPTS[:2], NEW[:2])] == want[:2]
 
 
 def test_stop_tokens_end_a_request_and_free_its_slot(artifacts):
@@ -153,7 +156,7 @@ def test_a_planted_bug_fails_the_identical_to_alone_check(artifacts, monkeypatch
     else:
         decode = SlotCache.decode
         monkeypatch.setattr(SlotCache, "decode", lambda self, t, n: decode(self, t, np.full_like(n, n.max())))
-    with kr.load(artifacts["llama"], threads=2) as model:
+    with kr.load(artifacts["llama"], threads=2, check=False) as model:  # the canary would refuse it (decode_rows)
         want = [alone(model, p, n) for p, n in zip(PROMPTS, NEW)]
         streams, _ = mixed(model)
     assert [s.tokens for i, s in enumerate(streams) if i != 2] != [w for i, w in enumerate(want) if i != 2]
@@ -195,7 +198,7 @@ def test_a_joined_prefill_that_attends_to_its_padding_fails(artifacts, monkeypat
         return prefill(self, lo, [np.concatenate([p, np.zeros(width - len(p), np.int64)]) for p in prompts])
 
     monkeypatch.setattr(SlotCache, "prefill", padded_end)
-    with kr.load(artifacts["llama"], threads=2) as model:
+    with kr.load(artifacts["llama"], threads=2, check=False) as model:  # the canary would refuse it (decode_rows)
         want = [alone(model, p, n) for p, n in zip(PROMPTS[:3], NEW[:3])]
         with Scheduler(model, slots=3) as s:
             with s._lock:

@@ -186,7 +186,7 @@ def verify_rows(artifact: Any, prompts: list[list[int]], precision: str) -> dict
     request takes): a row's answer must not depend on what runs beside it. None where the graph gives every row the
     same past length (no continuous batching)."""
     kv = artifact.manifest.data.get("kv_cache") or {}
-    if not kv.get("row_lengths") or not hasattr(artifact.runtime, "slot_cache"):
+    if not artifact.runtime.keeps_rows(kv):
         return None
     rows = row_prompts(prompts, max(ROW_COUNTS))
     # FP32: float rounding. A quantized graph re-rounds its activations to int8 in every layer, so one kernel's
