@@ -545,8 +545,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"kiln check: error: {kr.canary.refusal(model, result)}", file=sys.stderr)
             return 1
         if result.rows_agree is False:
-            print("note: one row decodes differently alone than beside others here: continuous batching keeps at "
-                  "least two rows per step on this machine (min_rows=2); every entry point is correct", file=sys.stderr)
+            print("note: one row decodes differently alone than beside others here: generate and continuous batching "
+                  "keep at least two rows per step on this machine (min_rows=2); every entry point is correct",
+                  file=sys.stderr)
     return 0
 
 

@@ -10,7 +10,8 @@ edge app, ``kiln generate`` and ``kiln serve --decode threads``), then in batche
 - ``Model.generate``: a row of the cache per prompt, as continuous batching runs it (``generation.row_steps``);
 - the left-padded batch through one cache of shared length (``generation.steps``: how ``Model.generate`` ran
   batches before, and how it still runs them on a backend without per-row lengths);
-- the scheduler (``kiln serve``'s continuous batching), the batch's prompts submitted together.
+- the scheduler (``kiln serve``'s continuous batching), the batch's prompts submitted together;
+- where the canary made a lone prompt decode beside an idle row (``min_rows`` 2), each prompt alone at one row.
 
 Prints the machine line, the canary's verdict and the rows a lone prompt decodes at (``min_rows``), then per path the
 completions equal to the prompt alone, the earliest step where one differs, and tokens/s.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import kiln.runtimes as kr  # noqa: E402
 from kiln.runtimes.canary import machine_line  # noqa: E402
-from kiln.runtimes.generation import as_prompt, row_policy, steps  # noqa: E402
+from kiln.runtimes.generation import as_prompt, row_policy, row_steps, steps  # noqa: E402
 from kiln.runtimes.sampling import Sampling  # noqa: E402
 from kiln.runtimes.scheduler import Scheduler  # noqa: E402
 from load_serve import TOPICS, smollm2_artifact  # noqa: E402
@@ -44,6 +45,17 @@ def padded(model: kr.Model, rows: list[list[int]], tokens: int) -> np.ndarray:
         pass
     assert seqs is not None
     return seqs
+
+
+def one_row(model: kr.Model, row: list[int], tokens: int) -> list[int]:
+    """The prompt alone at one row (M = 1) whatever the canary said: what the fallback to two rows avoids."""
+    prompt = as_prompt([row], None, 0)
+    seqs = None
+    for seqs in row_steps(model.runtime, model.manifest.data, prompt, tokens, Sampling(), [], 0, None, 1,
+                          row_policy(model.manifest.data, None)[1]):
+        pass
+    assert seqs is not None
+    return seqs[0, len(row):].tolist()
 
 
 def divergence(got: list[int], want: list[int]) -> int | None:
@@ -95,6 +107,10 @@ def main() -> int:
                     streams = [s.submit(r, max_new_tokens=args.tokens, stop_token_ids=[]) for r in g]
                 got["scheduler (continuous batching)"] += [st.result() for st in streams]
         times["scheduler (continuous batching)"] = time.perf_counter() - t
+        if min_rows > 1:  # the fallback's reason: the same prompts alone at one row
+            t = time.perf_counter()
+            got["alone at one row (M = 1)"] = [one_row(model, r, args.tokens) for r in prompts]
+            times["alone at one row (M = 1)"] = time.perf_counter() - t
     n = len(prompts)
     print(f"\n{n} prompts, greedy, {args.tokens} tokens each; batches of {args.batch}; each against the prompt "
           f"alone ({n * args.tokens / times['alone']:.1f} tok/s alone)")

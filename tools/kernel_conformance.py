@@ -1,7 +1,8 @@
 """Kernel conformance table: every weight format kiln emits for the CPU target x M in {1, 2, 8}, ONNX Runtime's result
 against a numpy reference of the same codes (kiln/compiler/quantize/conformance.py), at real layer shapes, on this
 machine. Prints the machine line, then one row per format and shape: the worst error over its float-rounding bound at
-each M (<= 1 agrees) and whether each row of the M-row call equals the same row computed alone (M = 1).
+each M (<= 1 agrees), whether each row of the M-row call equals the same row computed alone (M = 1), and whether the
+calls of several rows agree with each other row for row (what decoding a lone row beside an idle one relies on).
 
     python tools/kernel_conformance.py [--shapes 576x1536 1536x576 576x49152] [--threads 2] [--markdown]
 
@@ -44,19 +45,23 @@ def main() -> int:
             rows.append(conformance.check(fmt, k, n, threads=args.threads))
     ms = [str(m) for m in conformance.ROWS]
     if args.markdown:
-        print("| format | K x N | " + " | ".join(f"M={m} err/bound" for m in ms) + " | rows = alone | agrees |")
-        print("|---|---|" + "---|" * len(ms) + "---|---|")
+        print("| format | K x N | " + " | ".join(f"M={m} err/bound" for m in ms)
+              + " | rows = alone | rows of M > 1 agree | agrees |")
+        print("|---|---|" + "---|" * len(ms) + "---|---|---|")
     else:
-        print(f"{'format':<38} {'K x N':>11} " + " ".join(f"{'M=' + m:>9}" for m in ms) + "  rows=alone  agrees")
+        print(f"{'format':<38} {'K x N':>11} " + " ".join(f"{'M=' + m:>9}" for m in ms)
+              + "  rows=alone  M>1 agree  agrees")
     for r in rows:
         errs = [f"{r['error_over_bound'][m]:.3g}" for m in ms]
         same = "yes" if all(r["same_as_m1"].values()) else \
             "no (" + ", ".join(m for m in ms if not r["same_as_m1"][m]) + ")"
+        several = "yes" if r.get("several_agree", True) else "no"
         if args.markdown:
-            print(f"| {r['format']} | {r['k']} x {r['n']} | " + " | ".join(errs) + f" | {same} | {'yes' if r['agrees'] else 'NO'} |")
+            print(f"| {r['format']} | {r['k']} x {r['n']} | " + " | ".join(errs)
+                  + f" | {same} | {several} | {'yes' if r['agrees'] else 'NO'} |")
         else:
             print(f"{r['format']:<38} {r['k']:>5}x{r['n']:<5} " + " ".join(f"{e:>9}" for e in errs)
-                  + f"  {same:<10}  {'yes' if r['agrees'] else 'NO'}")
+                  + f"  {same:<10}  {several:<9}  {'yes' if r['agrees'] else 'NO'}")
     bad = [r for r in rows if not r["agrees"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} agree with the reference at every M "
           f"(bound: {conformance.RTOL:g} x the sum of |products|); {time.perf_counter() - start:.1f} s")

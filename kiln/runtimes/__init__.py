@@ -143,8 +143,8 @@ def run_canary(model: Model, threads: int | None = None) -> canary.Result | None
         model.close()
         raise canary.refusal(model, result)
     if result.rows_agree is False:
-        log.warning("%s: one row decodes differently alone than beside others on this machine (%s); continuous "
-                    "batching decodes at least two rows per step here (Scheduler min_rows=2)", model.manifest.root,
+        log.warning("%s: one row decodes differently alone than beside others on this machine (%s); generate "
+                    "and continuous batching decode at least two rows per step here (min_rows=2)", model.manifest.root,
                     result.machine)
     return result
 

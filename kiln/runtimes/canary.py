@@ -201,7 +201,7 @@ class Result:
     @property
     def refused(self) -> bool:
         """An entry other than ``rows`` failed: the artifact computes another answer here. ``rows`` alone failing is
-        answered by decoding at least two rows (``Scheduler.min_rows``), which every other entry covers."""
+        answered by decoding at least two rows (``generation.row_policy``), which every other entry covers."""
         return any(not e["passed"] for e in self.entries if e["name"] != "rows")
 
     @property

@@ -156,8 +156,9 @@ def _session(fmt: Format, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarr
 
 def check(fmt: Format, k: int, n: int, rows: tuple[int, ...] = ROWS, threads: int | None = None,
           seed: int = 0) -> dict[str, Any]:
-    """One format at one (K, N) shape: per M, the worst |kernel - reference| over its bound (<= 1 agrees), and
-    whether row i of the M-row call equals the one-row call on row i (bit for bit)."""
+    """One format at one (K, N) shape: per M, the worst |kernel - reference| over its bound (<= 1 agrees), whether
+    row i of the M-row call equals the one-row call on row i (bit for bit), and (``several_agree``) whether the rows
+    of every call of more than one row equal those of the smallest such call."""
     rng = np.random.default_rng(seed)
     codes, scales, zeros = _codes(rng, fmt, n, k)
     a = rng.standard_normal((max(rows), k)).astype(np.float32)
@@ -176,10 +177,12 @@ def check(fmt: Format, k: int, n: int, rows: tuple[int, ...] = ROWS, threads: in
             want, absolute = reference(fmt, a, codes, scales, zeros)
             bound = RTOL * absolute + 1e-30
             alone = np.concatenate([session.run(None, {"A": a[i:i + 1]})[0] for i in range(max(rows))])
+            got = {m: session.run(None, {"A": a[:m]})[0] for m in rows}
             for m in rows:
-                got = session.run(None, {"A": a[:m]})[0]
-                out["error_over_bound"][str(m)] = float((np.abs(got - want[:m]) / bound[:m]).max())
-                out["same_as_m1"][str(m)] = bool(np.array_equal(got, alone[:m]))
+                out["error_over_bound"][str(m)] = float((np.abs(got[m] - want[:m]) / bound[:m]).max())
+                out["same_as_m1"][str(m)] = bool(np.array_equal(got[m], alone[:m]))
+            several = [m for m in rows if m > 1]  # what a lone row beside an idle one relies on (``min_rows`` 2)
+            out["several_agree"] = all(np.array_equal(got[m][:several[0]], got[several[0]]) for m in several)
     out["agrees"] = all(e <= 1.0 for e in out["error_over_bound"].values())
     return out
 
