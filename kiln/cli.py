@@ -19,6 +19,7 @@ import numpy as np
 
 from kiln import __version__
 from kiln.errors import ArtifactError, KilnError, UsageError
+from kiln.serve.guard import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 
 def _memory() -> str:
@@ -256,6 +257,24 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-wait-ms", type=float, default=5.0,
                      help="encoders: how long the first request of a batch waits for others")
     srv.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    sec = srv.add_argument_group("security (docs/serving.md#security)")
+    sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require Authorization: Bearer KEY on every route but /health (repeatable; also KILN_API_KEY)")
+    sec.add_argument("--api-key-file", default=None, metavar="FILE", help="API keys, one per line")
+    sec.add_argument("--insecure-no-auth", action="store_true",
+                     help="allow a non-loopback --host without an API key (behind a proxy that authenticates)")
+    sec.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                     help="a Host name requests may use besides the bound address (repeatable; e.g. behind a proxy)")
+    sec.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="a web origin allowed to call the API from a browser (repeatable; default: none)")
+    sec.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413 before they are read")
+    sec.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                     help="seconds a connection has to send its request line and headers")
+    sec.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                     help="seconds a request has to send its body (408 past it)")
+    sec.add_argument("--max-connections", type=int, default=512,
+                     help="open connections and requests at once; past it, 503")
     gate = sub.add_parser("gate", help="check a report against thresholds: exit 0 pass, 1 violated, 2 unusable input")
     gate.add_argument("report", help="report.json written by kiln report")
     gate.add_argument("--artifact", help="gate this artifact of a comparison report (default: every artifact)")
@@ -590,14 +609,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError("kiln serve needs its extra: pip install 'kiln[serve]' (starlette, uvicorn, jinja2)") from e
     from kiln.serve import create_app
+    from kiln.serve.guard import Policy, check_bind, http_protocol, read_keys
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port; give 1-65535")
+    if args.max_connections < 1:
+        raise UsageError(f"--max-connections {args.max_connections}: give at least 1")
+    policy = Policy(bind=args.host, keys=read_keys(args.api_key, args.api_key_file),
+                    allowed_hosts=tuple(args.allowed_host), cors_origins=tuple(args.cors_origin),
+                    max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                    header_timeout_s=args.header_timeout)
+    check_bind(policy, args.insecure_no_auth)  # before the artifact loads: a refused start is quick
     app = create_app(args.artifact, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, threads=args.threads,
-                     queue=args.queue, decode=args.decode, min_rows=args.min_rows)
+                     queue=args.queue, decode=args.decode, min_rows=args.min_rows, policy=policy)
+    auth = f"{len(policy.keys)} API key(s)" if policy.keys else "no API key"
     print(f"kiln serve: {args.artifact} on http://{args.host}:{args.port} (max batch {args.max_batch or 'default'}, "
-          f"max wait {args.max_wait_ms:g} ms, queue {args.queue}; {canary_line(app)})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+          f"max wait {args.max_wait_ms:g} ms, queue {args.queue}, {auth}; {canary_line(app)})", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                http=http_protocol(policy.header_timeout_s), limit_concurrency=args.max_connections)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import threading
 import weakref
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import CheckpointError
+from kiln.runtimes.artifact import inside
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,56 @@ class Entry:
         return int(np.prod(self.shape, dtype=np.int64)) * 4
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of one safetensors file and where its data starts (the loader already checked offsets
-    against the file size)."""
+MAX_INDEX_BYTES = 64 << 20
+MAX_HEADER_BYTES = 100 << 20
+"""safetensors' own limit: a longer header is refused before it is read."""
+
+
+def shard_names(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names (not yet confined: callers pass each through ``inside``)."""
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise ValueError(f"{index.stat().st_size} bytes, more than {MAX_INDEX_BYTES >> 20} MiB")
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError("weight_map is not an object of tensor name -> shard file")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{index} is not a valid shard index ({type(e).__name__}: {str(e)[:120]}); restore it "
+                              "from the original checkpoint") from e
+    return sorted(set(weight_map.values()))
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of one safetensors file and where its data starts, bounded before it is read: its length
+    within the file and ``MAX_HEADER_BYTES``, an object of tensor name -> {dtype, shape, data_offsets}."""
+    size = path.stat().st_size
     with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        return json.loads(fh.read(n)), 8 + n
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError("file shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise ValueError(f"header length {n} exceeds the file or {MAX_HEADER_BYTES >> 20} MiB")
+        try:
+            header = json.loads(fh.read(n))
+        except RecursionError as e:
+            raise ValueError("header nests too deeply") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+                and all(type(d) is int and 0 <= d < 1 << 40 for d in info["shape"])
+                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+                and all(type(o) is int for o in info["data_offsets"])):
+            raise ValueError(f"tensor {str(name)[:80]!r} has no valid dtype, shape and data_offsets")
+        start, stop = info["data_offsets"]
+        if not 0 <= start <= stop:
+            raise ValueError(f"tensor {str(name)[:80]} has bad offsets {start}..{stop}")
+        if 8 + n + stop > size:
+            raise ValueError(f"tensors need {8 + n + stop} bytes but the file has {size} (truncated)")
+    return header, 8 + n
 
 
 class _Owned(np.ndarray):
@@ -70,22 +116,22 @@ class LazyWeights:
         self.entries: dict[str, Entry] = {}
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index} is not a valid shard index ({e}); restore it from the original "
-                                      "checkpoint") from e
-            files = sorted(set(weight_map.values()))
+            files = shard_names(index)
+            weight_map = json.loads(index.read_text())["weight_map"]
         elif (path / "model.safetensors").is_file():
             weight_map, files = None, ["model.safetensors"]
         else:
             raise CheckpointError(f"checkpoint {path} has no safetensors weights; kiln streams large checkpoints from "
                                   "safetensors only: re-save it with save_pretrained(safe_serialization=True)")
         for name in files:
-            shard = path / name
+            shard = inside(path, name, f"{index.name} shard", CheckpointError)
             if not shard.is_file():
                 raise CheckpointError(f"checkpoint {path} lacks shard {name} named in its index; copy the missing file")
-            header, base = read_header(shard)
+            try:
+                header, base = safetensors_header(shard)
+            except (ValueError, struct.error) as e:
+                raise CheckpointError(f"weights file {shard} is corrupt ({e}); re-download or re-save the "
+                                      "checkpoint") from e
             for key, info in header.items():
                 if key != "__metadata__":
                     self.entries[key] = Entry(shard, info["dtype"], tuple(int(d) for d in info["shape"]),

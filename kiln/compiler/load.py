@@ -13,10 +13,11 @@ from typing import Any
 
 from kiln.compiler import gguf
 from kiln.compiler.experts import use_dense_experts
+from kiln.compiler.lazy import safetensors_header, shard_names
 from kiln.compiler.quantize import gptq_format
 from kiln.compiler.scoped import quiet_transformers
 from kiln.errors import CheckpointError, UnsupportedModelError
-from kiln.runtimes.artifact import sha256_file
+from kiln.runtimes.artifact import inside, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +220,8 @@ def check_weights(path: Path) -> list[Path]:
     files: list[Path] = []
     for p in present:
         if p.name.endswith(".index.json"):
-            try:
-                index = json.loads(p.read_text())
-                shards = sorted(set(index["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, AttributeError) as e:
-                raise CheckpointError(f"{p} is not a valid shard index ({e}); restore it from the original checkpoint") from e
-            for shard in shards:
-                if not (path / shard).is_file():
+            for shard in shard_names(p):
+                if not inside(path, shard, f"{p.name} shard", CheckpointError).is_file():
                     raise CheckpointError(f"checkpoint {path} lacks shard {shard} named in {p.name}; copy the missing file")
                 files.append(path / shard)
         else:
@@ -254,27 +250,9 @@ def check_pickle(path: Path) -> None:
 
 def check_safetensors(path: Path) -> None:
     """Validate the header and that every tensor's bytes lie inside the file (catches truncation)."""
-    size = path.stat().st_size
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise ValueError("file shorter than its 8-byte header length")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8 or n > 100 << 20:
-                raise ValueError(f"header length {n} exceeds the file")
-            header = json.loads(fh.read(n))
-        end = 0
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            start, stop = info["data_offsets"]
-            if not 0 <= start <= stop:
-                raise ValueError(f"tensor {name} has bad offsets {start}..{stop}")
-            end = max(end, stop)
-        if 8 + n + end > size:
-            raise ValueError(f"tensors need {8 + n + end} bytes but the file has {size} (truncated)")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error) as e:
+        safetensors_header(path)
+    except (ValueError, UnicodeDecodeError, struct.error) as e:
         raise CheckpointError(f"weights file {path} is corrupt ({e}); re-download or re-save the checkpoint") from e
 
 

@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 
 REPORT_SCHEMA = "kiln-report"
 REPORT_VERSIONS = (1, 2)
+MAX_REPORT_BYTES = 64 << 20
 """1: one artifact, its metrics and latency at the top level; 2: a comparison, one entry per artifact."""
 
 # threshold -> (report metric, "max" or "min", label)
@@ -51,6 +52,11 @@ class GateInputError(KilnError):
     exit_code = 2
 
 
+def number(value: Any) -> bool:
+    """A finite int or float (JSON's true is not 1, and Infinity / NaN are never measurements)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class Check:
     name: str
@@ -67,12 +73,23 @@ class Check:
 def load_report(path: str | Path, role: str = "report") -> dict[str, Any]:
     p = Path(path)
     try:
+        if not p.is_file():
+            raise GateInputError(f"{role} {p} does not exist or is not a file; give the report.json that kiln report "
+                                 "wrote")
+        if p.stat().st_size > MAX_REPORT_BYTES:
+            raise GateInputError(f"{role} {p} is larger than {MAX_REPORT_BYTES >> 20} MiB, which no kiln report is; "
+                                 "give the report.json that kiln report wrote")
         data = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise GateInputError(f"{role} {p} does not exist; give the report.json that kiln report wrote") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise GateInputError(f"{role} {p} is not valid JSON ({e}); give the report.json that kiln report wrote") from e
-    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or data.get("schema_version") not in REPORT_VERSIONS:
+    except RecursionError as e:
+        raise GateInputError(f"{role} {p} nests its JSON too deeply to be a kiln report; regenerate it with kiln "
+                             "report") from e
+    except OSError as e:
+        raise GateInputError(f"{role} {p} cannot be read ({e.strerror or e}); give the report.json that kiln report "
+                             "wrote") from e
+    if not isinstance(data, dict) or data.get("schema") != REPORT_SCHEMA or (
+            type(data.get("schema_version")) is not int or data["schema_version"] not in REPORT_VERSIONS):
         raise GateInputError(f"{role} {p} is not a kiln report (schema {REPORT_SCHEMA} version "
                              f"{'/'.join(map(str, REPORT_VERSIONS))}); regenerate it with kiln report")
     if not entries(data):
@@ -87,7 +104,7 @@ def entries(report: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(found, list) or not found:
         return []
     ok = all(isinstance(e, dict) and isinstance(e.get("metrics"), dict) and isinstance(e.get("latency"), dict)
-             for e in found)
+             and isinstance(e.get("artifact", ""), str) for e in found)
     return found if ok else []
 
 
@@ -152,6 +169,9 @@ def load_thresholds(config: str | Path | None, flags: dict[str, float | None], c
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise GateInputError(f"{f}: threshold {key} = {value!r} is not a finite number")
             merged[key] = float(value)
+    for key, value in flags.items():
+        if value is not None and not math.isfinite(value):
+            raise GateInputError(f"--{key.replace('_', '-')} {value}: give a finite number")
     merged.update({k: float(v) for k, v in flags.items() if v is not None})
     if not merged:
         raise GateInputError("no thresholds: add a [gate] table to kiln.toml (or [tool.kiln.gate] to pyproject.toml), "
@@ -164,7 +184,7 @@ def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dic
     values = dict(report["metrics"])
     if baseline is not None:
         base, now = baseline["latency"].get("p50_ms"), report["latency"].get("p50_ms")
-        if not isinstance(base, (int, float)) or not isinstance(now, (int, float)) or base <= 0:
+        if not number(base) or not number(now) or base <= 0:
             raise GateInputError("the report or the baseline has no usable latency p50_ms; regenerate them with kiln report")
         values["latency_regression_pct"] = 100.0 * (now / base - 1.0)
     checks = []
@@ -173,9 +193,13 @@ def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dic
         if metric == "latency_regression_pct" and baseline is None:
             raise GateInputError(f"{key} compares against a baseline; pass --baseline LAST_RELEASE/report.json")
         value = values.get(metric)
-        if not isinstance(value, (int, float)):
+        if value is None:
+            kind = (report.get("model") or {}).get("kind") if isinstance(report.get("model"), dict) else None
             raise GateInputError(f"{report_path} has no {metric} (needed by {key}); this threshold does not apply to "
-                                 f"a {(report.get('model') or {}).get('kind', 'different')} report, remove it")
+                                 f"a {kind if isinstance(kind, str) else 'different'} report, remove it")
+        if not number(value):  # Infinity, NaN, true, "0.99": never a pass
+            raise GateInputError(f"{report_path}: {metric} is {json.dumps(value)[:40]}, not a finite number; "
+                                 "regenerate the report with kiln report")
         checks.append(Check(key, label, threshold, float(value), kind))
     return checks
 

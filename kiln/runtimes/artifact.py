@@ -9,10 +9,10 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kiln.errors import ArtifactError
+from kiln.errors import ArtifactError, KilnError
 from kiln.runtimes.schema import first_error, manifest_schema
 
 log = logging.getLogger(__name__)
@@ -20,6 +20,34 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 REPORT = "report.json"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_ROW_CACHE_BYTES = 64 << 30
+"""The largest KV cache one sequence may need at the manifest's capacity (an 8B model at 128k positions needs 17 GiB
+in FP32): a hostile or damaged manifest is refused before any slot is allocated."""
+
+
+def inside(root: Path, rel: Any, what: str, error: type[KilnError] = ArtifactError) -> Path:
+    """``root / rel`` where ``rel`` (read from an untrusted manifest or index) names a file inside ``root``: a
+    non-empty relative POSIX path with no ``..``, no backslash and no NUL, that still lies inside ``root`` once
+    symbolic links are resolved. Anything else is refused with one line naming the path: a manifest or index is
+    never a way to read a file elsewhere on the machine (or to learn whether one exists)."""
+    shown = json.dumps(rel)[:120] if isinstance(rel, str) else repr(rel)[:120]
+    where = f"{what} {shown} in {root}"
+    if not isinstance(rel, str) or not rel or len(rel) > 4096 or any(c in rel for c in "\\\0"):
+        raise error(f"{where} is not a file name; it must name a file inside that directory")
+    path = PurePosixPath(rel)
+    if path.is_absolute() or ".." in path.parts or path.as_posix() != rel.rstrip("/") or rel.endswith("/"):
+        raise error(f"{where} is not a plain relative path (absolute, '..', or not normalised); refusing to read "
+                    "outside the directory: restore the original file")
+    full = root / path
+    try:
+        escaped = not full.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise error(f"{where} cannot be resolved ({e}); restore the original file") from e
+    if escaped:
+        raise error(f"{where} is a symbolic link out of the directory; refusing to read it: replace the link with "
+                    "the file itself")
+    return full
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -102,25 +130,62 @@ def read_manifest(root: str | Path, verify_files: bool = True) -> Manifest:
         raise ArtifactError(f"artifact {root} does not exist or is not a directory; pass the directory `kiln compile -o` wrote")
     if not path.is_file():
         raise ArtifactError(f"artifact {root} has no {MANIFEST}; it is not a kiln artifact or its build did not finish, recompile it")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{path} is {size} bytes, more than a manifest's {MAX_MANIFEST_BYTES >> 20} MiB; "
+                            "recompile the artifact")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}); recompile the artifact") from e
+    except RecursionError as e:
+        raise ArtifactError(f"{path} nests its JSON too deeply to be a manifest; recompile the artifact") from e
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} holds a JSON {type(data).__name__}, not an object; recompile the artifact")
     missing = [k for k in manifest_schema()["required"] if k not in data]  # before the version: a clearer line
     if missing:
         raise ArtifactError(f"{path} lacks {', '.join(missing)}; recompile the artifact with this kiln")
     version = data["schema_version"]
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # the string "1" is not version 1
         raise ArtifactError(
-            f"{path} has schema_version {version}, this kiln reads {SCHEMA_VERSION}; "
+            f"{path} has schema_version {json.dumps(version)[:40]}, this kiln reads {SCHEMA_VERSION} (an integer); "
             "recompile the artifact or install the kiln release that wrote it"
         )
     problem = malformed(data)
     if problem:
         raise ArtifactError(f"{path} is malformed: {problem}; recompile the artifact")
+    confine(root, data)
     if verify_files:
         verify_checksums(root, data["files"])
     return Manifest(root, data)
+
+
+def named_files(data: dict[str, Any]) -> dict[str, Any]:
+    """Every file the runtime reads by a name from the manifest, as where-it-is-named -> name."""
+    out = {f"graphs.{k}": v for k, v in data["graphs"].items()}
+    tok = data.get("tokenizer") or {}
+    out |= {f"tokenizer.{k}": tok[k] for k in ("file", "chat_template") if tok.get(k) is not None}
+    if data.get("canary"):
+        out["canary.file"] = data["canary"]["file"]
+    return out
+
+
+def confine(root: Path, data: dict[str, Any]) -> None:
+    """Every path the manifest names lies inside the artifact, and every file the runtime reads by name is in
+    ``files`` (so it is checksummed): a graph or template left out of ``files`` would be read unchecked."""
+    if not data["files"]:
+        raise ArtifactError(f"{root / MANIFEST} lists no files, so nothing it loads would be checksummed; recompile "
+                            "the artifact")
+    for rel in data["files"]:
+        inside(root, rel, "files entry")
+    for entry in root.iterdir():  # ONNX Runtime reads a graph's external data by the names inside the graph
+        if entry.is_symlink():
+            inside(root, entry.name, "symbolic link")
+    for where, rel in named_files(data).items():
+        inside(root, rel, where)
+        if rel not in data["files"]:
+            raise ArtifactError(f"{where} {json.dumps(rel)[:120]} in {root} is not in the manifest's files, so it "
+                                "would be read without its checksum; recompile the artifact")
 
 
 def malformed(data: dict[str, Any]) -> str | None:
@@ -140,6 +205,14 @@ def malformed(data: dict[str, Any]) -> str | None:
     shapes = (kv or {}).get("layer_shapes")
     if shapes is not None and (len(shapes) != len(kv["past"]) or any(len(x) != 2 for x in shapes)):
         return f"kv_cache.layer_shapes holds {len(shapes)} entries for {len(kv['past'])} past names (each [heads, size])"
+    if kv is not None:
+        if kv["capacity"] > data["model"]["max_sequence_length"]:
+            return (f"kv_cache.capacity {kv['capacity']} exceeds model.max_sequence_length "
+                    f"{data['model']['max_sequence_length']}")
+        row = kv["capacity"] * sum(h * s for h, s in (cache_shape(kv, n, 1, 1)[1::2] for n in kv["past"])) * 4
+        if row > MAX_ROW_CACHE_BYTES:  # bounded before a runtime allocates a slot of it
+            return (f"kv_cache needs {row / 2 ** 30:.0f} GiB per sequence at its capacity, more than "
+                    f"{MAX_ROW_CACHE_BYTES >> 30} GiB")
     if kind == "seq2seq" and (kv is None or "cross" not in kv or gen is None):
         return "an encoder-decoder needs kv_cache with cross names and generation"
     if kind == "seq2seq" and "decoder_start_token_id" not in gen:
@@ -149,7 +222,7 @@ def malformed(data: dict[str, Any]) -> str | None:
 
 def verify_checksums(root: Path, files: dict[str, str]) -> None:
     for rel, expected in files.items():
-        p = root / rel
+        p = inside(root, rel, "files entry")
         if not p.is_file():
             raise ArtifactError(f"artifact file {p} is missing; the artifact is incomplete, recompile it")
         actual = sha256_file(p)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import ArtifactError, KilnError
-from kiln.runtimes.generation import Prompt, RowRunner, unpadded
+from kiln.runtimes.generation import Prompt, RowRunner, runs_rows, unpadded
 
 CANARY = "canary.npz"
 MAX_BYTES = 64 << 20
@@ -107,7 +107,7 @@ def forced_steps(model: Any, ids: np.ndarray, mask: np.ndarray, tokens: np.ndarr
     data = model.manifest.data
     kv = data.get("kv_cache")
     rows = ids.shape[0]
-    if kv and data["model"]["task"] == "causal-lm" and model.runtime.keeps_rows(kv):  # as Model.generate runs it
+    if runs_rows(model.runtime, data):  # as Model.generate runs it
         yield from forced_rows(model, Prompt(ids, mask), tokens)
         return
     runner = model.runtime.cache_runner(kv, rows, ids.shape[1] + tokens.shape[1]) if kv else \

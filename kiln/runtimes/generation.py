@@ -151,6 +151,14 @@ def steps(runtime: Any, manifest_data: dict[str, Any], prompt: Prompt, max_new_t
     return decode(prompt.ids, advance, runner.close, max_new_tokens, sampling, stop_ids, pad_id, seed)
 
 
+def runs_rows(runtime: Any, manifest_data: dict[str, Any]) -> bool:
+    """Whether this artifact's prompts decode each in its own row of the backend's slot cache (``RowRunner``), as
+    continuous batching runs them: a causal LM whose backend keeps a row per prompt at its own length. ``Model.generate``
+    and the canary ask the same question, so the canary checks the path generate takes."""
+    kv = manifest_data.get("kv_cache")
+    return bool(kv) and manifest_data["model"]["task"] == "causal-lm" and runtime.keeps_rows(kv)
+
+
 def row_policy(manifest_data: dict[str, Any], canary: Any) -> tuple[int, bool]:
     """How a decoder's rows run here: (rows every decode step runs, whether prompts of different lengths share a
     prefill). ONNX Runtime's MatMulNBits computes one row (M = 1) with another kernel than several rows, which can

@@ -10,7 +10,8 @@ import numpy as np
 from kiln.errors import ArtifactError
 from kiln.runtimes.artifact import Manifest
 from kiln.runtimes.base import Runtime, check_token_ids, cut_blocks, in_blocks, prepare_feeds
-from kiln.runtimes.generation import as_prompt, as_source, row_policy, row_steps, seq2seq_steps, steps, stream_text
+from kiln.runtimes.generation import (as_prompt, as_source, row_policy, row_steps, runs_rows, seq2seq_steps, steps,
+                                      stream_text)
 from kiln.runtimes.sampling import GenerateOptions, Sampling
 from kiln.runtimes.tokenizer import TextEncoder
 
@@ -112,7 +113,7 @@ class Model:
         prompt = as_prompt(input_ids, attention_mask, pad)
         check_token_ids("input_ids", prompt.ids[prompt.mask.astype(bool)], self.vocab_size)
         data = self.manifest.data
-        if data["model"]["task"] == "causal-lm" and self.runtime.keeps_rows(data.get("kv_cache") or {}):
+        if runs_rows(self.runtime, data):
             min_rows, mixed = row_policy(data, self.canary)
             return row_steps(self.runtime, data, prompt, max_new_tokens, sampling, stop, pad, seed, min_rows, mixed)
         return steps(self.runtime, data, prompt, max_new_tokens, sampling, stop, pad, seed)

@@ -189,9 +189,10 @@ class Scheduler:
     def submit(self, input_ids: Sequence[int], max_new_tokens: int = _D.max_new_tokens, do_sample: bool = _D.do_sample,
                temperature: float = _D.temperature, top_k: int = _D.top_k, top_p: float = _D.top_p,
                repetition_penalty: float = _D.repetition_penalty, stop_token_ids: Sequence[int] | None = None,
-               seed: int | None = None) -> Stream:
+               seed: int | None = None, cancel: threading.Event | None = None) -> Stream:
         """Queue one request (a list of prompt token ids); returns its ``Stream`` at once. Raises ``InputError`` for a
-        request that can never run and ``QueueFull`` when the waiting queue is at its bound."""
+        request that can never run and ``QueueFull`` when the waiting queue is at its bound. ``cancel``: an event
+        another thread sets to end the request at the next step, waiting or decoding (``Stream.cancel`` sets it)."""
         prompt = [int(t) for t in np.asarray(input_ids).reshape(-1)]
         sampling = Sampling(do_sample, temperature, top_k, top_p, repetition_penalty)
         check_request(self.kv, len(prompt), max_new_tokens, sampling, self.max_model)
@@ -213,7 +214,7 @@ class Scheduler:
                 raise QueueFull(f"{len(self._waiting)} requests already wait for one of {self.slots} slots (the "
                                 "queue's bound); retry later", self._retry_after())
             request = Request(next(self._ids), prompt, max_new_tokens, sampling, stop, np.random.default_rng(seed),
-                              time.perf_counter())
+                              time.perf_counter(), cancelled=cancel or threading.Event())
             self._waiting.append(request)
             self.stats.queue_depth = len(self._waiting)
             self._lock.notify()
@@ -224,14 +225,14 @@ class Scheduler:
         return list(input_ids) + self.submit(input_ids, **options).result()
 
     def stream(self, prompt: str, chat: bool = False, info: dict[str, Any] | None = None,
-               **options: Any) -> Iterator[str]:
+               cancel: threading.Event | None = None, **options: Any) -> Iterator[str]:
         """``Model.stream`` through the scheduler: the request is tokenized and queued now (``InputError`` and
         ``QueueFull`` raise here); the iterator yields text pieces as they are produced (partial characters held
         back) and fills ``info`` with prompt_tokens, completion_tokens and finish_reason. Closing the iterator early
         (a client gone) cancels the request."""
         feeds = self.model.encode([prompt], add_special_tokens=False if chat else None)
         ids = [int(t) for t in feeds["input_ids"][0]]
-        handle = self.submit(ids, **options)
+        handle = self.submit(ids, cancel=cancel, **options)
         info = {} if info is None else info
         info.update(prompt_tokens=len(ids), completion_tokens=0, finish_reason="length")
         return self._pieces(handle, info)

@@ -10,6 +10,14 @@ import numpy as np
 from kiln.errors import ArtifactError, InputError
 
 
+class TooLong(InputError):
+    """A text has more tokens than the model takes: ``tokens`` of at most ``limit``."""
+
+    def __init__(self, message: str, tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.tokens, self.limit = tokens, limit
+
+
 class TextEncoder:
     """Tokenizes a batch of texts and pads it the way the artifact was verified."""
 
@@ -28,6 +36,7 @@ class TextEncoder:
         self.spec = spec
         self.root = root
         self._template: Any = None
+        self._longest: int | None = None
         self.padding_side = spec.get("padding_side", "right")
         self.add_special_tokens = bool(spec.get("add_special_tokens", True))
 
@@ -43,10 +52,9 @@ class TextEncoder:
                 raise InputError(f"text {text[:40]!r} has no tokens; give non-empty text")
             if len(ids) > max_length:
                 if not truncate:
-                    raise InputError(
+                    raise TooLong(
                         f"text {text[:40]!r}... is {len(ids)} tokens, longer than the model's maximum {max_length}; "
-                        "shorten it or pass truncate=True (--truncate)"
-                    )
+                        "shorten it or pass truncate=True (--truncate)", len(ids), max_length)
                 ids, types = ids[:max_length], types[:max_length]
             rows.append((ids, types))
         width = max(len(ids) for ids, _ in rows)
@@ -59,6 +67,15 @@ class TextEncoder:
             mask[i, span] = 1
             type_ids[i, span] = types
         return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": type_ids}
+
+    @property
+    def longest_token_bytes(self) -> int:
+        """UTF-8 bytes of the vocabulary's longest token: a text of B bytes has at least B / (this + 1) tokens
+        (the + 1: a word-start marker a token may stand for), so a server refuses a text past its byte bound
+        without tokenizing it."""
+        if self._longest is None:
+            self._longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self._tok.get_vocab()), default=1)
+        return self._longest
 
     def encode_ids(self, text: str) -> list[int]:
         """Token ids of one text of any length, without special tokens (for scoring long documents)."""

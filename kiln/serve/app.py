@@ -19,6 +19,7 @@ generation queue is full.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import math
@@ -34,49 +35,21 @@ from typing import Any
 import kiln.runtimes as kr
 from kiln.errors import ArtifactError, ClosedError, InputError, KilnError, UsageError
 from kiln.runtimes.scheduler import QueueFull, Scheduler
+from kiln.runtimes.tokenizer import TooLong
 from kiln.serve.batching import EncoderBatcher
+from kiln.serve.guard import Guard, Policy
 from kiln.serve.metrics import Metrics
 
 try:
     from starlette.applications import Starlette
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover - the serve extra is missing
     raise UsageError("kiln serve needs its extra: pip install 'kiln[serve]' (starlette, uvicorn, jinja2)") from e
 
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-def error(message: str, status: int = 400, code: str = "invalid_request") -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
-
-
-async def body(request: Request) -> dict[str, Any]:
-    try:
-        data = json.loads(await request.body() or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not JSON ({e.msg if hasattr(e, 'msg') else e})") from e
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return data
-
-
-def field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any,
-          check: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
-    value = data.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise BadRequest(f"{name} must be a number, got {value!r}")
-    if not isinstance(value, kind) or not check(value):
-        raise BadRequest(f"{name} {value!r} is invalid{': ' + why if why else ''}")
-    return value
+from kiln.serve.requests import BadRequest, body, error, field  # noqa: E402 - after the extra check
 
 
 log = logging.getLogger("kiln.serve")
@@ -91,7 +64,8 @@ DECODE_MODES = ("batched", "threads")
 
 class Server:
     def __init__(self, model: kr.Model, max_batch: int | None = None, max_wait_ms: float = 5.0,
-                 queue: int = DEFAULT_QUEUE, decode: str = "batched", min_rows: int | None = None) -> None:
+                 queue: int = DEFAULT_QUEUE, decode: str = "batched", min_rows: int | None = None,
+                 policy: Policy | None = None) -> None:
         m = model.manifest.data["model"]
         self.kind, self.task = m["kind"], m["task"]
         max_batch = max_batch if max_batch is not None else DEFAULT_SLOTS if self.kind == "decoder" else 32
@@ -103,12 +77,18 @@ class Server:
             raise UsageError(f"--max-batch {max_batch} / --max-wait-ms {max_wait_ms:g} / --queue {queue}: give at "
                              "least 1, at least 0 and at least 0")
         self.model, self.max_batch = model, max_batch
+        self.policy = policy or Policy()
         self.metrics = Metrics()
+        self.admitted, self.admit_limit = 0, max_batch + queue
+        """Generation requests between their admission and their last chunk: past ``admit_limit`` (every slot
+        busy and the queue full), 429 before any work, in both decode modes."""
         self.name = str(m.get("architecture") or model.manifest.root.name)
         self.batcher = EncoderBatcher(model, max_batch, max_wait_ms, self.metrics) if self.kind == "encoder" else None
         data = model.manifest.data
         self.generates = self.kind == "decoder" and bool(data.get("kv_cache") or (data.get("generation") or {}).get(
             "recompute")) and m["task"] == "causal-lm" or self.kind == "seq2seq"
+        if model.manifest.tokenizer:  # the byte bound of a prompt, read once here rather than on the event loop
+            _ = model.text_encoder.longest_token_bytes
         batched = self.kind == "decoder" and self.generates and decode == "batched"
         self.scheduler = self._scheduler(model, max_batch, queue, min_rows) if batched else None
         threads = max_batch + queue + 1 if self.scheduler else max_batch  # a scheduler's waiting requests block here
@@ -133,8 +113,18 @@ class Server:
                   Route("/v1/completions", self.wrap("completions", self.completions), methods=["POST"]),
                   Route("/v1/chat/completions", self.wrap("chat", self.chat), methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"])]
-        app = Starlette(routes=routes, lifespan=self.lifespan)
+        async def unrouted(request: Request, exc: Exception) -> Response:  # 404 / 405 as JSON too
+            status = getattr(exc, "status_code", 404)
+            what = "is not an endpoint of this server" if status == 404 else f"does not take {request.method}"
+            return error(f"{request.url.path[:80]} {what}; see GET /v1/models and docs/serving.md", status,
+                         "not_found" if status == 404 else "method_not_allowed")
+
+        app = Starlette(routes=routes, lifespan=self.lifespan, exception_handlers={404: unrouted, 405: unrouted})
         app.state.server = self
+        app.add_middleware(Guard, policy=self.policy, count=self.metrics.request)
+        if self.policy.cors_origins:  # outermost: a browser's preflight carries no key
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.policy.cors_origins),
+                               allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
         return app
 
     @asynccontextmanager
@@ -150,42 +140,45 @@ class Server:
             self.workers.shutdown(wait=False, cancel_futures=True)
 
     def wrap(self, endpoint: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        async def route(request: Request) -> Response:
+        async def route(request: Request) -> Any:
             t = time.perf_counter()
             self.metrics.in_flight += 1
             try:
-                response = await handler(request)
-            except BadRequest as e:
-                response = error(str(e), e.status, e.code)
-            except QueueFull as e:  # every slot busy and the queue at its bound: come back later
-                response = error(str(e), 429, "queue_full")
-                response.headers["Retry-After"] = str(math.ceil(e.retry_after))
-            except ClosedError as e:
-                response = error(str(e), 503, "closed")
-            except KilnError as e:  # InputError (lengths, capacity, sampling): the caller's to fix
-                response = error(str(e), 400 if isinstance(e, InputError) else 500,
-                                 "invalid_input" if isinstance(e, InputError) else "model_error")
-
-            def done(status: int = response.status_code) -> None:
+                response = await self.answer(endpoint, handler, request)
+            except BaseException:  # cancelled (the server stopping): still counted, never left in flight
                 self.metrics.in_flight -= 1
-                self.metrics.request(endpoint, status, time.perf_counter() - t)
+                self.metrics.request(endpoint, 499, time.perf_counter() - t)
+                raise
 
-            if not isinstance(response, StreamingResponse):
-                done()
-                return response
-            inner = response.body_iterator
+            def done() -> None:
+                self.metrics.in_flight -= 1
+                self.metrics.request(endpoint, response.status_code, time.perf_counter() - t)
 
-            async def counted() -> AsyncIterator[Any]:  # a stream is served until its last chunk
-                try:
-                    async for chunk in inner:
-                        yield chunk
-                finally:
-                    done()
-
-            response.body_iterator = counted()
-            return response
+            return Sent(response, done)
 
         return route
+
+    async def answer(self, endpoint: str, handler: Callable[[Request], Any], request: Request) -> Response:
+        """The handler's response, or its error as JSON: every failure is a response with a status."""
+        try:
+            return await handler(request)
+        except TooLong as e:  # the library's message names truncate=True; an API client sends JSON
+            return error(f"the input is {e.tokens} tokens, longer than the model's maximum {e.limit}; shorten it"
+                         + (' or send "truncate": true' if endpoint == "embeddings" else ""), 400, "invalid_input")
+        except (QueueFull, BadRequest) as e:  # QueueFull: every slot busy and the queue at its bound
+            response = error(str(e), *((429, "queue_full") if isinstance(e, QueueFull) else (e.status, e.code)))
+            if e.retry_after is not None:
+                response.headers["Retry-After"] = str(math.ceil(e.retry_after))
+            return response
+        except ClosedError as e:
+            return error(str(e), 503, "closed")
+        except KilnError as e:  # InputError (lengths, capacity, sampling): the caller's to fix
+            return error(str(e), 400 if isinstance(e, InputError) else 500,
+                         "invalid_input" if isinstance(e, InputError) else "model_error")
+        except Exception:  # a bug: logged with its traceback, answered as JSON, counted
+            log.exception("kiln serve: %s failed", endpoint)
+            return error("the server failed on this request (logged); report it with the request", 500,
+                         "internal_error")
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.name, "kind": self.kind, "task": self.task,
@@ -210,7 +203,7 @@ class Server:
     # --- encoders ----------------------------------------------------------------------------
     async def embeddings(self, request: Request) -> Response:
         self._need("/v1/embeddings", self.batcher is not None, self._served())
-        data = await body(request)
+        data = await body(request, self.policy)
         texts = data.get("input")
         if isinstance(texts, str):
             texts = [texts]
@@ -218,13 +211,35 @@ class Server:
             raise BadRequest("input must be a non-empty string or a non-empty list of non-empty strings")
         if len(texts) > 2048:
             raise BadRequest(f"input holds {len(texts)} texts; send at most 2048 per request")
-        feeds = self.model.encode(texts)  # InputError (too long, no tokens) fails this request alone
+        encoding = field(data, "encoding_format", str, "float", lambda v: v in ("float", "base64"),
+                         "choose float or base64")
+        truncate = field(data, "truncate", bool, False)
+        if not truncate:
+            for text in texts:
+                self._fits(text)
+        loop = asyncio.get_running_loop()  # tokenizing runs off the event loop: /health never waits on it
+        feeds = await loop.run_in_executor(None, lambda: self.model.encode(texts, truncate=truncate))
         vectors = await self.batcher.embed(feeds)
         tokens = int(feeds["attention_mask"].sum())
+
+        def vector(v: Any) -> Any:  # base64: little-endian float32 bytes, as OpenAI's clients decode them
+            return base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64" else \
+                v.astype(float).tolist()
+
         return JSONResponse({"object": "list", "model": self.name,
-                             "data": [{"object": "embedding", "index": i, "embedding": v.astype(float).tolist()}
+                             "data": [{"object": "embedding", "index": i, "embedding": vector(v)}
                                       for i, v in enumerate(vectors)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _fits(self, text: str) -> None:
+        """Refuse a text whose byte count alone shows it is longer than the model takes, before tokenizing it."""
+        encoder = self.model.text_encoder
+        limit = self.model.max_sequence_length
+        most = (limit + 8) * (encoder.longest_token_bytes + 1) * 4  # 4: normalizers that drop characters
+        size = len(text.encode("utf-8"))
+        if size > most:
+            raise BadRequest(f"the input is {size} bytes, longer than the model's maximum of {limit} tokens can be "
+                             f"(at most {most} bytes with this tokenizer); shorten it", 400, "invalid_input")
 
     # --- decoders ----------------------------------------------------------------------------
     def _sampling(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +248,9 @@ class Server:
         if data.get("stop"):
             raise BadRequest("stop sequences are not supported; generation stops at the model's end-of-text token")
         temperature = field(data, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "in [0, 2]")
-        out = {"max_new_tokens": field(data, "max_tokens", int, 16, lambda v: v >= 1, "at least 1"),
+        out = {"max_new_tokens": field(data, "max_tokens", int, 16, lambda v: 1 <= v <= 1 << 20, "in [1, 2**20]"),
                "top_p": field(data, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-               "seed": field(data, "seed", int, None),
+               "seed": field(data, "seed", int, None, lambda v: 0 <= v < 1 << 63, "in [0, 2**63)"),
                "do_sample": temperature > 0, "temperature": float(temperature) if temperature > 0 else 1.0}
         if field(data, "ignore_eos", bool, False):  # vLLM's extension: exactly max_tokens (benchmarks)
             out["stop_token_ids"] = []
@@ -243,30 +258,72 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         self._need("/v1/completions", self.generates, self._served())
-        data = await body(request)
+        data = await body(request, self.policy)
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("prompt must be a non-empty string (one prompt per request)")
-        return await self._generate(prompt, self._sampling(data), bool(data.get("stream")), chat=False)
+        self._fits(prompt)
+        return await self._generate(request, prompt, self._sampling(data), field(data, "stream", bool, False),
+                                    chat=False)
 
     async def chat(self, request: Request) -> Response:
         self._need("/v1/chat/completions", self.generates, self._served())
-        data = await body(request)
-        prompt = self.model.chat_prompt(data.get("messages"))  # InputError: no template, malformed messages
-        return await self._generate(prompt, self._sampling(data), bool(data.get("stream")), chat=True)
+        data = await body(request, self.policy)
+        sampling, stream = self._sampling(data), field(data, "stream", bool, False)
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            for m in messages:
+                if isinstance(m, dict) and isinstance(m.get("content"), str):
+                    self._fits(m["content"])
+        loop = asyncio.get_running_loop()  # InputError: no template, malformed messages
+        prompt = await loop.run_in_executor(None, self.model.chat_prompt, messages)
+        self._fits(prompt)
+        return await self._generate(request, prompt, sampling, stream, chat=True)
 
-    async def _generate(self, prompt: str, sampling: dict[str, Any], stream: bool, chat: bool) -> Response:
+    def _admit(self) -> None:
+        """Count a generation request in, or refuse it with 429 before any work: every slot busy and the queue
+        full, in either decode mode."""
+        if self.admitted >= self.admit_limit:
+            wait = self.scheduler._retry_after() if self.scheduler is not None else 1.0
+            raise BadRequest(f"all {self.max_batch} decode slots are busy and {self.admit_limit - self.max_batch} "
+                             "requests wait already; retry later", 429, "queue_full", retry_after=wait)
+        self.admitted += 1
+
+    async def _generate(self, request: Request, prompt: str, sampling: dict[str, Any], stream: bool,
+                        chat: bool) -> Response:
+        self._admit()
+        cancelled = threading.Event()
+        released = False
+
+        def release() -> None:  # the request's admission ends with its last chunk, its error or its client
+            nonlocal released
+            cancelled.set()
+            if not released:
+                released = True
+                self.admitted -= 1
+
+        try:
+            return await self._generation(request, prompt, sampling, stream, chat, cancelled, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _generation(self, request: Request, prompt: str, sampling: dict[str, Any], stream: bool,
+                          chat: bool, cancelled: threading.Event, release: Callable[[], None]) -> Response:
         loop = asyncio.get_running_loop()
         info: dict[str, Any] = {}
-        source = self.scheduler or self.model
-        chunks = source.stream(prompt, chat=chat, info=info, **sampling)
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        cancelled = threading.Event()
 
         def produce() -> None:
-            try:
+            if cancelled.is_set():  # the client went away while the request waited for a thread
+                return
+            try:  # tokenizing and queueing happen here, off the event loop
+                if self.scheduler is not None:
+                    chunks = self.scheduler.stream(prompt, chat=chat, info=info, cancel=cancelled, **sampling)
+                else:
+                    chunks = self.model.stream(prompt, chat=chat, info=info, **sampling)
                 for piece in chunks:
                     if cancelled.is_set():  # the client went away: stop generating
                         chunks.close()
@@ -276,29 +333,58 @@ class Server:
             except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
 
+        async def watch() -> None:  # a client that closes its socket cancels its generation at the next step
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    cancelled.set()
+                    queue.put_nowait(("gone", None))
+                    return
+
         self.metrics.queue_depth += 1
         loop.run_in_executor(self.workers, produce)
-        # the first event decides the status: a request error (capacity, lengths) is a 4xx, never a broken stream
-        kind, value = await queue.get()
-        self.metrics.queue_depth -= 1
-        if kind == "error":
-            raise value
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        if not stream:
-            parts = []
-            while kind == "text":
-                parts.append(value)
-                kind, value = await queue.get()
+        watcher = asyncio.ensure_future(watch())
+        try:
+            # the first event decides the status: a request error (capacity, lengths) is a 4xx, never a broken stream
+            kind, value = await queue.get()
+        finally:
+            self.metrics.queue_depth -= 1
+        try:
             if kind == "error":
                 raise value
-            text = "".join(parts)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                      else {"index": 0, "text": text, "logprobs": None})
-            return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                                 "created": created, "model": self.name,
-                                 "choices": [choice | {"finish_reason": info["finish_reason"]}],
-                                 "usage": usage(info)})
+            if kind == "gone":
+                raise BadRequest("the client went away", 499, "client_disconnected")
+            if not stream:
+                return await self._whole(queue, (kind, value), info, chat, release)
+        finally:
+            if not stream or kind != "text":
+                watcher.cancel()
+        response = self._events(queue, (kind, value), info, chat, release, watcher)
+        response.cancel = release  # type: ignore[attr-defined]  # Sent calls it when the response is done
+        return response
+
+    async def _whole(self, queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any], info: dict[str, Any],
+                     chat: bool, release: Callable[[], None]) -> Response:
+        kind, value = first
+        parts = []
+        while kind == "text":
+            parts.append(value)
+            kind, value = await queue.get()
+        release()
+        if kind == "error":
+            raise value
+        if kind == "gone":
+            raise BadRequest("the client went away", 499, "client_disconnected")
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                  else {"index": 0, "text": text, "logprobs": None})
+        return JSONResponse({"id": ident(chat), "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.name,
+                             "choices": [choice | {"finish_reason": info["finish_reason"]}], "usage": usage(info)})
+
+    def _events(self, queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any], info: dict[str, Any],
+                chat: bool, release: Callable[[], None], watcher: asyncio.Future[None]) -> StreamingResponse:
+        name, created = ident(chat), int(time.time())
 
         def event(text: str | None, finish: str | None) -> str:
             if chat:
@@ -308,30 +394,52 @@ class Server:
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
                 obj = "text_completion"
-            return "data: " + json.dumps({"id": ident, "object": obj, "created": created, "model": self.name,
+            return "data: " + json.dumps({"id": name, "object": obj, "created": created, "model": self.name,
                                           "choices": [choice]}) + "\n\n"
-
-        first = (kind, value)
 
         async def sse() -> AsyncIterator[str]:
             kind, value = first
             try:
                 if chat:
-                    yield "data: " + json.dumps({"id": ident, "object": "chat.completion.chunk", "created": created,
+                    yield "data: " + json.dumps({"id": name, "object": "chat.completion.chunk", "created": created,
                                                  "model": self.name, "choices": [{"index": 0, "delta": {
                                                      "role": "assistant"}, "finish_reason": None}]}) + "\n\n"
                 while kind == "text":
                     yield event(value, None)
                     kind, value = await queue.get()
+                if kind == "gone":
+                    return
                 if kind == "error":  # mid-stream: the status is sent; the error goes in the stream
                     yield "data: " + json.dumps({"error": {"message": str(value), "type": "server_error"}}) + "\n\n"
                 else:
                     yield event(None, info["finish_reason"])
                 yield "data: [DONE]\n\n"
             finally:
-                cancelled.set()
+                watcher.cancel()
+                release()
 
         return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+def ident(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+class Sent:
+    """A response as an ASGI app that calls ``done`` once it is sent, or abandoned: a stream whose client went away
+    before its first byte is still counted, and its generation cancelled (``cancel``, set by ``_generate``)."""
+
+    def __init__(self, response: Response, done: Callable[[], None]) -> None:
+        self.response, self.done = response, done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            cancel = getattr(self.response, "cancel", None)
+            if cancel is not None:
+                cancel()
+            self.done()
 
 
 def usage(info: dict[str, Any]) -> dict[str, int]:
@@ -340,14 +448,16 @@ def usage(info: dict[str, Any]) -> dict[str, int]:
 
 
 def create_app(artifact: Any, max_batch: int | None = None, max_wait_ms: float = 5.0, threads: int | None = None,
-               queue: int = DEFAULT_QUEUE, decode: str = "batched", min_rows: int | None = None) -> Starlette:
+               queue: int = DEFAULT_QUEUE, decode: str = "batched", min_rows: int | None = None,
+               policy: Policy | None = None) -> Starlette:
     """An ASGI app serving ``artifact`` (a path, or an already loaded ``kiln.runtimes.Model``). A path is loaded with
     its canary run (``kiln.runtimes.load``): a server does not start on a machine where its artifact computes another
-    answer. ``min_rows``: rows every decode step runs (default: the artifact's canary decides)."""
+    answer. ``min_rows``: rows every decode step runs (default: the artifact's canary decides). ``policy``: keys,
+    hosts, origins and limits (``kiln.serve.guard.Policy``; default: loopback, no key, the default limits)."""
     # ONNX Runtime's own thread settings (its pool spins briefly between runs): measured with tools/load_serve.py,
     # spinning off cost the batching server 5-10% (395 vs 432 req/s) and the unbatched one as much
     model = artifact if isinstance(artifact, kr.Model) else kr.load(artifact, threads=threads)
     if not model.manifest.tokenizer:
         raise UsageError(f"{model.manifest.root} ships no tokenizer; kiln serve takes text, so compile the artifact "
                          "from a checkpoint with one")
-    return Server(model, max_batch, max_wait_ms, queue, decode, min_rows).app()
+    return Server(model, max_batch, max_wait_ms, queue, decode, min_rows, policy).app()

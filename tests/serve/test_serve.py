@@ -35,6 +35,11 @@ def chat_decoder(tmp_path_factory):
     return compile(root / "ckpt", root / "art", fast_options())
 
 
+def client_of(app):
+    """A test client that calls as a local one does: Host localhost (the server refuses other names)."""
+    return TestClient(app, base_url="http://localhost")
+
+
 def embed_alone(path, text):
     with kr.load(path, threads=1) as m:
         f = m.encode([text])
@@ -51,7 +56,7 @@ TEXTS = ["the cat sat on the mat", "compilers rewrite graphs", "a", "def f(x): r
 
 def test_embeddings_batched_concurrently_equal_each_text_alone(artifacts):
     app = create_app(artifacts["bert"], max_batch=32, max_wait_ms=50, threads=1)
-    with TestClient(app) as client:
+    with client_of(app) as client:
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(lambda t: client.post("/v1/embeddings", json={"input": t}), TEXTS * 4))
         both = client.post("/v1/embeddings", json={"input": TEXTS[:2], "model": "x"}).json()
@@ -75,7 +80,7 @@ def test_completions_greedy_plain_and_streamed_agree_with_the_runtime(artifacts)
         want = "".join(m.stream("the cat sat", max_new_tokens=12, info=info))
     assert info["completion_tokens"] <= 12 and info["finish_reason"] == ("length" if info["completion_tokens"] == 12
                                                                            else "stop")
-    with TestClient(create_app(path, threads=1)) as client:
+    with client_of(create_app(path, threads=1)) as client:
         plain = client.post("/v1/completions", json={"prompt": "the cat sat", "max_tokens": 12, "temperature": 0})
         streamed = client.post("/v1/completions", json={"prompt": "the cat sat", "max_tokens": 12, "temperature": 0,
                                                          "stream": True})
@@ -92,7 +97,7 @@ def test_completions_greedy_plain_and_streamed_agree_with_the_runtime(artifacts)
 
 def test_concurrent_streams_equal_each_request_served_alone(artifacts):
     prompts = [f"the {w} sat on the" for w in ("cat", "dog", "bird", "fox", "owl", "cow", "pig", "ant")]
-    with TestClient(create_app(artifacts["llama"], max_batch=8, threads=1)) as client:
+    with client_of(create_app(artifacts["llama"], max_batch=8, threads=1)) as client:
         def ask(p):
             r = client.post("/v1/completions", json={"prompt": p, "max_tokens": 20, "temperature": 0, "stream": True})
             return "".join(json.loads(x[6:])["choices"][0]["text"] for x in r.text.splitlines()
@@ -114,7 +119,7 @@ def test_full_generation_queue_is_429_with_retry_after_and_metrics_show_the_batc
     decode = SlotCache.decode
     monkeypatch.setattr(SlotCache, "decode", lambda self, t, n: (time.sleep(0.05), decode(self, t, n))[1])
     server = Server(kr.load(artifacts["llama"], threads=1), max_batch=1, queue=1)
-    with TestClient(server.app()) as client:
+    with client_of(server.app()) as client:
         ok = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0,
                                                    "ignore_eos": True})
         held = [server.scheduler.submit([5, 9, 17], max_new_tokens=100, stop_token_ids=[]) for _ in range(2)]
@@ -139,7 +144,7 @@ def test_chat_uses_the_shipped_template(chat_decoder):
         prompt = m.chat_prompt(messages)
         want = "".join(m.stream(prompt, max_new_tokens=8, chat=True))
     assert prompt == "<|user|> hello there\n<|assistant|> "
-    with TestClient(create_app(chat_decoder, threads=1)) as client:
+    with client_of(create_app(chat_decoder, threads=1)) as client:
         r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})
         s = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0,
                                                        "stream": True})
@@ -167,8 +172,9 @@ def test_kiln_generate_chat(chat_decoder, capsys):
     ("/v1/embeddings", {"input": "x"}, 404, "it serves /v1/completions"),
 ])
 def test_bad_requests_are_json_4xx(artifacts, path, payload, status, words):
-    with TestClient(create_app(artifacts["llama"], threads=1)) as client:
-        r = client.post(path, content=payload) if isinstance(payload, bytes) else client.post(path, json=payload)
+    with client_of(create_app(artifacts["llama"], threads=1)) as client:
+        r = (client.post(path, content=payload, headers={"content-type": "application/json"}) if isinstance(payload, bytes)
+             else client.post(path, json=payload))
         assert r.status_code == status, r.text
         assert words in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
         assert client.get("/health").json()["status"] == "ok"
@@ -176,7 +182,7 @@ def test_bad_requests_are_json_4xx(artifacts, path, payload, status, words):
 
 
 def test_encoder_bad_requests(artifacts):
-    with TestClient(create_app(artifacts["bert"], threads=1)) as client:
+    with client_of(create_app(artifacts["bert"], threads=1)) as client:
         too_long = client.post("/v1/embeddings", json={"input": "word " * 500})
         empty = client.post("/v1/embeddings", json={"input": []})
         gen = client.post("/v1/completions", json={"prompt": "x"})
