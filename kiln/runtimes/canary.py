@@ -21,6 +21,7 @@ answer (a wrong M = 1 path, a damaged weight) moves it by the size of the answer
 from __future__ import annotations
 
 import platform
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,6 +215,23 @@ class Result:
         return {"machine": self.machine, "passed": self.passed, "entries": self.entries}
 
 
+def npz_bytes(path: Any) -> int:
+    """The bytes the arrays of an ``.npz`` take once loaded, from each member's ``.npy`` header (shape and dtype),
+    read without loading any array."""
+    total = 0
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist()[:4096]:
+            with z.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(member)
+                total += int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if len(z.infolist()) > 4096:
+            raise ValueError(f"{len(z.infolist())} members")
+    return total
+
+
 def read(model: Any) -> dict[str, dict[str, np.ndarray]] | None:
     """The canary's arrays per entry (None: the artifact carries none), bounded and checked before use."""
     spec = model.manifest.data.get("canary")
@@ -225,9 +243,12 @@ def read(model: Any) -> dict[str, dict[str, np.ndarray]] | None:
     if path.stat().st_size > MAX_BYTES:
         raise ArtifactError(f"canary {path} is {path.stat().st_size} bytes, over {MAX_BYTES}; recompile the artifact")
     try:
+        unpacked = npz_bytes(path)
+        if unpacked > MAX_BYTES:  # a compressed member may claim any shape: bounded before numpy allocates it
+            raise ArtifactError(f"canary {path} unpacks to {unpacked} bytes, over {MAX_BYTES}; recompile the artifact")
         with np.load(path, allow_pickle=False) as f:
             flat = {k: f[k] for k in f.files}
-    except (ValueError, OSError, EOFError) as e:  # not an npz, or an object array
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # not an npz, or an object array
         raise ArtifactError(f"canary {path} is unreadable ({e}); recompile the artifact") from e
     grouped: dict[str, dict[str, np.ndarray]] = {}
     for key, value in flat.items():

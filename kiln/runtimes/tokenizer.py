@@ -10,6 +10,18 @@ import numpy as np
 from kiln.errors import ArtifactError, InputError
 
 
+MAX_TOKENIZER_BYTES = 256 << 20
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def bounded(path: Path, limit: int) -> None:
+    """Refuse a tokenizer file or chat template past ``limit`` bytes before it is read (an artifact is untrusted)."""
+    size = path.stat().st_size
+    if size > limit:
+        raise ArtifactError(f"{path} is {size} bytes, more than the {limit >> 20} MiB kiln reads for such a file; "
+                            "recompile the artifact")
+
+
 class TooLong(InputError):
     """A text has more tokens than the model takes: ``tokens`` of at most ``limit``."""
 
@@ -27,6 +39,7 @@ class TextEncoder:
         except ImportError as e:  # pragma: no cover - tokenizers is a base dependency
             raise ArtifactError("text input needs the `tokenizers` package; pip install tokenizers") from e
         path = root / spec["file"]
+        bounded(path, MAX_TOKENIZER_BYTES)
         self._tok = Tokenizer.from_file(str(path))
         # Checkpoints ship tokenizer.json with their training-time truncation/padding baked in;
         # kiln pads itself and refuses over-long input instead of silently cutting it.
@@ -112,7 +125,9 @@ class TextEncoder:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string((self.root / self.spec["chat_template"]).read_text())
+            path = self.root / self.spec["chat_template"]
+            bounded(path, MAX_TEMPLATE_BYTES)
+            self._template = env.from_string(path.read_text())
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.spec.get("bos_token") or "",
