@@ -318,7 +318,7 @@ BAD = [
     (b'{"prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}", "nests deeper"),
     ({"prompt": "x", "stream": "no"}, "stream 'no' is invalid"),
     ({"prompt": "x", "max_tokens": 10 ** 30}, "max_tokens"),
-    ({"prompt": "the cat " * 40}, "shorten it"),
+    ({"prompt": "the cat " * 200}, "tokens, longer than the model's maximum"),
 ]
 
 
@@ -342,12 +342,14 @@ def test_embeddings_encoding_format_and_truncate(artifacts):
         bad = c.post("/v1/embeddings", json={"input": "a", "encoding_format": "int8"})
         long = c.post("/v1/embeddings", json={"input": "word " * 300})
         cut = c.post("/v1/embeddings", json={"input": "word " * 300, "truncate": True})
+        huge = c.post("/v1/embeddings", json={"input": "word " * 20_000})  # refused from its byte count
     for want, got in zip(plain, packed["data"]):
         vector = np.frombuffer(base64.b64decode(got["embedding"]), "<f4")
         np.testing.assert_array_equal(vector, np.asarray(want["embedding"], np.float32))
     assert bad.status_code == 400 and "float or base64" in bad.json()["error"]["message"]
     assert long.status_code == 400 and '"truncate": true' in long.json()["error"]["message"]
     assert "truncate=True" not in long.text and cut.status_code == 200
+    assert huge.status_code == 400 and "bytes, longer" in huge.text and '"truncate": true' in huge.json()["error"]["message"]
 
 
 # ---- artifacts: confined, checksummed, bounded --------------------------------------------------------------------
@@ -557,3 +559,27 @@ def test_a_canary_that_claims_a_huge_array_is_refused_before_it_is_allocated(art
     write(art, data)  # re-hashed: only the bound can stop it
     with pytest.raises(ArtifactError, match="unpacks to 439804651[0-9]+ bytes"):
         kr.load(art, threads=1)
+
+
+def test_onnx_runtime_refuses_external_data_outside_the_graphs_directory(tmp_path):
+    """kiln relies on ONNX Runtime to confine a graph's external data (docs/artifact.md): pinned here, so an
+    ONNX Runtime that stops doing it fails the suite instead of reading files elsewhere."""
+    pytest.importorskip("onnx")
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    (tmp_path / "secret.bin").write_bytes(b"s" * 64)
+    (tmp_path / "art").mkdir()
+    w = numpy_helper.from_array(np.zeros(4, np.float32), "w")
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "../secret.bin"), ("offset", "0"), ("length", "16")):
+        entry = w.external_data.add()
+        entry.key, entry.value = key, value
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    path = tmp_path / "art" / "model.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    with pytest.raises(Exception, match="(?i)outside|escapes"):
+        ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

@@ -216,7 +216,7 @@ class Server:
         truncate = field(data, "truncate", bool, False)
         if not truncate:
             for text in texts:
-                self._fits(text)
+                self._fits(text, 'shorten it or send "truncate": true')
         loop = asyncio.get_running_loop()  # tokenizing runs off the event loop: /health never waits on it
         feeds = await loop.run_in_executor(None, lambda: self.model.encode(texts, truncate=truncate))
         vectors = await self.batcher.embed(feeds)
@@ -231,7 +231,7 @@ class Server:
                                       for i, v in enumerate(vectors)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def _fits(self, text: str) -> None:
+    def _fits(self, text: str, fix: str = "shorten it") -> None:
         """Refuse a text whose byte count alone shows it is longer than the model takes, before tokenizing it."""
         encoder = self.model.text_encoder
         limit = self.model.max_sequence_length
@@ -239,7 +239,7 @@ class Server:
         size = len(text.encode("utf-8"))
         if size > most:
             raise BadRequest(f"the input is {size} bytes, longer than the model's maximum of {limit} tokens can be "
-                             f"(at most {most} bytes with this tokenizer); shorten it", 400, "invalid_input")
+                             f"(at most {most} bytes with this tokenizer); {fix}", 400, "invalid_input")
 
     # --- decoders ----------------------------------------------------------------------------
     def _sampling(self, data: dict[str, Any]) -> dict[str, Any]:
