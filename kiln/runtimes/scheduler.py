@@ -212,7 +212,7 @@ class Scheduler:
                 raise InputError("the scheduler is closed; start a new one")
             if len(self._waiting) >= self.queue_limit + self._rows.count(None):  # free slots take from the queue
                 raise QueueFull(f"{len(self._waiting)} requests already wait for one of {self.slots} slots (the "
-                                "queue's bound); retry later", self._retry_after())
+                                "queue's bound); retry later", self.retry_after())
             request = Request(next(self._ids), prompt, max_new_tokens, sampling, stop, np.random.default_rng(seed),
                               time.perf_counter(), cancelled=cancel or threading.Event())
             self._waiting.append(request)
@@ -256,7 +256,7 @@ class Scheduler:
         finally:
             handle.cancel()  # a no-op for a finished request; frees the slot of one abandoned mid-stream
 
-    def _retry_after(self) -> float:
+    def retry_after(self) -> float:
         """Seconds until a slot is likely free: the mean time a request has held a slot, at least one second."""
         busy = [r for r in self._rows if r is not None]
         left = min((r.max_new_tokens - len(r.tokens) for r in busy), default=1)

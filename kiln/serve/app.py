@@ -286,7 +286,7 @@ class Server:
         """Count a generation request in, or refuse it with 429 before any work: every slot busy and the queue
         full, in either decode mode."""
         if self.admitted >= self.admit_limit:
-            wait = self.scheduler._retry_after() if self.scheduler is not None else 1.0
+            wait = self.scheduler.retry_after() if self.scheduler is not None else 1.0
             raise BadRequest(f"all {self.max_batch} decode slots are busy and {self.admit_limit - self.max_batch} "
                              "requests wait already; retry later", 429, "queue_full", retry_after=wait)
         self.admitted += 1
