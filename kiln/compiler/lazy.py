@@ -52,18 +52,19 @@ MAX_HEADER_BYTES = 100 << 20
 """safetensors' own limit: a longer header is refused before it is read."""
 
 
-def shard_names(index: Path) -> list[str]:
-    """The shard files a ``*.index.json`` names (not yet confined: callers pass each through ``inside``)."""
+def weight_map(index: Path) -> dict[str, str]:
+    """A ``*.index.json``'s tensor name -> shard file, read once and bounded (the shard names are not yet confined:
+    callers pass each through ``inside``)."""
     try:
         if index.stat().st_size > MAX_INDEX_BYTES:
             raise ValueError(f"{index.stat().st_size} bytes, more than {MAX_INDEX_BYTES >> 20} MiB")
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        names = json.loads(index.read_text())["weight_map"]
+        if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
             raise ValueError("weight_map is not an object of tensor name -> shard file")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{index} is not a valid shard index ({type(e).__name__}: {str(e)[:120]}); restore it "
                               "from the original checkpoint") from e
-    return sorted(set(weight_map.values()))
+    return names
 
 
 def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -116,10 +117,10 @@ class LazyWeights:
         self.entries: dict[str, Entry] = {}
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            files = shard_names(index)
-            weight_map = json.loads(index.read_text())["weight_map"]
+            shards: dict[str, str] | None = weight_map(index)
+            files = sorted(set(shards.values()))
         elif (path / "model.safetensors").is_file():
-            weight_map, files = None, ["model.safetensors"]
+            shards, files = None, ["model.safetensors"]
         else:
             raise CheckpointError(f"checkpoint {path} has no safetensors weights; kiln streams large checkpoints from "
                                   "safetensors only: re-save it with save_pretrained(safe_serialization=True)")
@@ -136,8 +137,8 @@ class LazyWeights:
                 if key != "__metadata__":
                     self.entries[key] = Entry(shard, info["dtype"], tuple(int(d) for d in info["shape"]),
                                               base + int(info["data_offsets"][0]))
-        if weight_map is not None:
-            for key, shard_name in weight_map.items():
+        if shards is not None:
+            for key, shard_name in shards.items():
                 entry = self.entries.get(key)
                 if entry is None or entry.file.name != shard_name:
                     raise CheckpointError(f"{index.name} of {path} names tensor {key} in {shard_name}, which does not "

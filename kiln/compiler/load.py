@@ -13,7 +13,7 @@ from typing import Any
 
 from kiln.compiler import gguf
 from kiln.compiler.experts import use_dense_experts
-from kiln.compiler.lazy import safetensors_header, shard_names
+from kiln.compiler.lazy import safetensors_header, weight_map
 from kiln.compiler.quantize import gptq_format
 from kiln.compiler.scoped import quiet_transformers
 from kiln.errors import CheckpointError, UnsupportedModelError
@@ -220,7 +220,7 @@ def check_weights(path: Path) -> list[Path]:
     files: list[Path] = []
     for p in present:
         if p.name.endswith(".index.json"):
-            for shard in shard_names(p):
+            for shard in sorted(set(weight_map(p).values())):
                 if not inside(path, shard, f"{p.name} shard", CheckpointError).is_file():
                     raise CheckpointError(f"checkpoint {path} lacks shard {shard} named in {p.name}; copy the missing file")
                 files.append(path / shard)

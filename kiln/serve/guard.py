@@ -182,9 +182,14 @@ def http_protocol(header_timeout_s: float) -> type:
     return protocol(base, header_timeout_s)
 
 
+def error_body(message: str, status: int, code: str) -> dict[str, Any]:
+    """kiln serve's JSON error, the same for the guard's refusals and the routes' (``requests.error``)."""
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "code": code}}
+
+
 async def send_error(send: Send, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    payload = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+    payload = json.dumps(error_body(message, status, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
            (b"connection", b"close")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from kiln.serve.guard import Policy
+from kiln.serve.guard import Policy, error_body
 
 
 class BadRequest(Exception):
@@ -22,8 +22,7 @@ class BadRequest(Exception):
 
 
 def error(message: str, status: int = 400, code: str = "invalid_request") -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+    return JSONResponse(error_body(message, status, code), status_code=status)
 
 
 MAX_JSON_DEPTH = 32
