@@ -11,7 +11,7 @@ ANCHOR_VENV ?= .venv-anchor
 
 .PHONY: install demo test typecheck docs gpu-check bench anchor-venv clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard kiln/kernels/*.cpp kiln/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,serve,dev,docs]'

@@ -48,6 +48,7 @@ class _Progress:
 def _parser() -> argparse.ArgumentParser:
     from kiln.compiler.options import (
         ACCURACY_LEVELS,
+        KERNELS,
         CALIBRATION_METHODS,
         LM_HEADS,
         PRECISIONS,
@@ -124,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--accuracy-level", type=int, choices=ACCURACY_LEVELS, default=d.accuracy_level,
                    help="MatMulNBits accuracy level: 4 = int8 activations per block, 0 = FP32 activations "
                         "(default 4; int4 encoders 0)")
+    c.add_argument("--kernels", choices=KERNELS, default=d.kernels,
+                   help="cpu target, int8/int4 decoders and int4 encoders: kiln's own low-bit kernel (kiln), ONNX "
+                        "Runtime's MatMulNBits (onnxruntime), or kiln where its library is built here (auto)")
     c.add_argument("--gptq-windows", type=int, default=d.gptq_windows, metavar="N",
                    help="int4 GPTQ: calibration windows of 256 tokens")
     c.add_argument("--max-length", type=int, default=d.max_length,
@@ -334,7 +338,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         calibration_method=args.calibration_method, smoothquant=args.smoothquant, outlier_ratio=args.outlier_ratio,
         disabled_passes=tuple(args.disable_pass), require_fusion=args.require_fusion,
         quant_method=args.quant_method, group_size=args.group_size, act_order=args.act_order, asym=args.asym,
-        mixed_bits=args.mixed_bits, lm_head=args.lm_head, accuracy_level=args.accuracy_level, gptq_windows=args.gptq_windows,
+        mixed_bits=args.mixed_bits, lm_head=args.lm_head, accuracy_level=args.accuracy_level, kernels=args.kernels, gptq_windows=args.gptq_windows,
         prune=args.prune, prune_method=args.prune_method, prune_layers=args.prune_layers, stream=args.stream,
     )
     out = compile(args.checkpoint, args.output, opts, progress=_Progress(args.quiet or args.json))

@@ -14,6 +14,7 @@ import onnx
 
 from kiln import __version__
 from kiln.compiler.load import Checkpoint
+from kiln.passes.kiln_kernels import fallback_name
 from kiln.compiler.options import CompileOptions
 from kiln.compiler.pipeline import ModelFacts
 from kiln.compiler.staging import CHAT_TEMPLATE
@@ -71,6 +72,10 @@ def base(ckpt: Checkpoint, facts: ModelFacts, options: CompileOptions, record: l
         "options": options.to_json(),
         "tool_versions": tool_versions(),
     }
+    kiln_nodes = sum(int(r["stats"].get("kiln_kernels", 0)) for r in record if r["name"] == "kiln-kernels")
+    if kiln_nodes:  # kiln's kernel library computes them; the fallback graphs use ONNX Runtime's MatMulNBits
+        data["kernels"] = {"op": "ai.kiln.MatMulNBits", "nodes": kiln_nodes,
+                           "fallback": {k: fallback_name(v) for k, v in graphs.items()}}
     if ckpt.tokenizer_problem:
         data["tokenizer_warning"] = f"no tokenizer shipped: {ckpt.tokenizer_problem}; verified on random token ids only"
     return data

@@ -15,6 +15,7 @@ from kiln.compiler.options import CompileOptions
 from kiln.compiler.pipeline import STAGES, ModelFacts, attention_summary, build_pass
 from kiln.compiler.quantize import driver as driver_lib
 from kiln.passes import run_passes
+from kiln.passes.kiln_kernels import fallback, fallback_name
 from kiln.passes.weights import WeightStore, compact
 
 Progress = Callable[[str], None]
@@ -71,7 +72,17 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
         external = model.ByteSize() > options.external_data_threshold
         onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
                         location=path.name + ".data")
+    if any(r["name"] == "kiln-kernels" and r["stats"].get("kiln_kernels") for r in record):
+        write_fallback(path)
     if graph:
         for r in record:
             r["graph"] = graph
     return record, summary, problems
+
+
+def write_fallback(path: Path) -> None:
+    """Beside the graph at ``path``: the same graph with ONNX Runtime's MatMulNBits in place of kiln's, for machines
+    without kiln's kernel library. Weights in external data are shared (the same file, the same offsets)."""
+    model = onnx.load(str(path), load_external_data=False)
+    fallback(model)
+    onnx.save_model(model, str(path.parent / fallback_name(path.name)))

@@ -37,6 +37,7 @@ PRUNE_METHODS = ("flap", "wanda", "magnitude")
 Wanda's |W|·||X|| (Sun et al. 2023), or weight magnitude (no data)."""
 PRUNE_COMPONENTS = ("heads", "ffn")
 PRUNE_LAYERS = ("uniform", "adaptive")
+KERNELS = ("auto", "kiln", "onnxruntime")
 MAX_DROP_METRICS = {"cosine": ("encoder", "minimum pooled-output cosine vs FP32, e.g. cosine=0.995"),
                     "ppl": ("decoder", "perplexity increase in percent, e.g. ppl=2"),
                     "top1": ("decoder", "next-token top-1 agreement with FP32, e.g. top1=0.98"),
@@ -108,6 +109,10 @@ class CompileOptions:
     accuracy_level: int | None = None
     """MatMulNBits accuracy_level: 4 quantizes activations to int8 per block, 0 keeps them FP32. None: the
     recipe's choice (``int4_defaults``)."""
+    kernels: str = "auto"
+    """Who computes the low-bit MatMuls on the CPU target: kiln (kiln's own kernel library, ``kiln.runtimes.kernels``;
+    the artifact also ships ONNX Runtime's form for machines without it), onnxruntime (MatMulNBits only), or auto
+    (kiln where the library is built on the compiling machine)."""
     gptq_windows: int = 128
     """int4 GPTQ: calibration windows (of ``gptq_window`` tokens) the Hessians are measured on."""
     gptq_window: int = 256
@@ -216,6 +221,7 @@ def check_values(o: CompileOptions) -> None:
     _choice("--calibration-method", o.calibration_method, CALIBRATION_METHODS)
     _choice("--prune-method", o.prune_method, PRUNE_METHODS)
     _choice("--prune-layers", o.prune_layers, PRUNE_LAYERS)
+    _choice("--kernels", o.kernels, KERNELS)
     if o.lm_head is not None:
         _choice("--lm-head", o.lm_head, LM_HEADS)
     if o.accuracy_level is not None:

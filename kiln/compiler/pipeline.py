@@ -39,6 +39,7 @@ from kiln.passes.fuse_gqa import FuseGroupQueryAttention
 from kiln.passes.fuse_mha import FuseMultiHeadAttention
 from kiln.passes.fuse_moe import FuseMixtureOfExperts
 from kiln.passes.fuse_norm_gelu import FuseBiasGelu, FuseSkipLayerNorm
+from kiln.passes.kiln_kernels import UseKilnKernels
 from kiln.passes.kv_cache import AddKVCache
 from kiln.passes.kv_cache_concat import AddKVCacheConcat
 from kiln.passes.pin_norms import PinNormsFP32
@@ -147,8 +148,20 @@ STAGES: dict[str, Stage] = {
     # ONNX Runtime CPU takes asymmetric uint8 activations; TensorRT only symmetric int8 (the gate checks it)
     "quantize-qdq": Stage(lambda f, o, d: QuantizeStaticQDQ(d.ranges, symmetric=o.target == "tensorrt",
                                                             keep_fp32=d.keep_fp32), calibrated=True, quantizer=True),
+    # kiln's own low-bit kernel (the library built with the package) where the options and this machine allow it
+    "kiln-kernels": Stage(lambda f, o, d: UseKilnKernels(), when=lambda o: kiln_kernels(o)),
     "eliminate-dead-nodes": Stage(lambda f, o, d: EliminateDeadNodes()),
 }
+
+
+def kiln_kernels(o: CompileOptions) -> bool:
+    """Whether the CPU artifact computes its MatMulNBits with kiln's library (``--kernels``)."""
+    from kiln.runtimes import kernels
+
+    if o.kernels == "kiln" and not kernels.available():
+        raise UsageError(f"--kernels kiln: {kernels.status()['reason']}; reinstall kiln where a C++17 compiler is "
+                         "found (pip install -e . builds it), or compile with --kernels onnxruntime")
+    return o.target == "cpu" and (o.kernels == "kiln" or o.kernels == "auto" and kernels.available())
 
 HEAD_BITS = {"fp32": 0, "int8": 8, "int4": 4}
 KV_IO = ("past_key_values.", "present.")
@@ -204,16 +217,17 @@ RECIPES: dict[tuple[str, str, str], tuple[str, ...]] = {
     # blocked 8-bit kernel (MatMulNBits), tied lm_head included; outliers split: at block 128 SmolLM2's worst row
     # cosine is 0.9849 with, 0.93 without (parity fails), for 146 vs 170 tok/s (docs/int8.md)
     ("cpu", "decoder", "int8"): (*CLEANUP, *DECODER_ATTENTION, "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                 "decompose-norm", *INT8, "quantize-nbits", "logits-to-keep", "eliminate-dead-nodes"),
+                                 "decompose-norm", *INT8, "quantize-nbits", "kiln-kernels", "logits-to-keep",
+                                 "eliminate-dead-nodes"),
     ("cpu", "decoder", "int8-static"): (*CLEANUP, *DECODER_ATTENTION, "fuse-bias-gelu", "fuse-skip-layernorm",
                                         "decompose-norm", *INT8, "quantize-qdq", "logits-to-keep", "eliminate-dead-nodes"),
     # weight-only 4-bit (GPTQ codes or round-to-nearest): no SmoothQuant or outlier split, they would change the
     # weights the solver's codes replace; encoders keep Q/K/V as plain MatMuls (fuse-mha) so they are quantized too
     ("cpu", "encoder", "int4"): (*CLEANUP, "fuse-mha", "lower-attention", "fuse-bias-gelu", "decompose-norm",
-                                 "gemm-to-matmul", "quantize-nbits", "eliminate-dead-nodes"),
+                                 "gemm-to-matmul", "quantize-nbits", "kiln-kernels", "eliminate-dead-nodes"),
     ("cpu", "decoder", "int4"): (*CLEANUP, *DECODER_ATTENTION, "fuse-moe", "fuse-bias-gelu", "fuse-skip-layernorm",
-                                 "decompose-norm", "gemm-to-matmul", "quantize-nbits", "logits-to-keep",
-                                 "eliminate-dead-nodes"),
+                                 "decompose-norm", "gemm-to-matmul", "quantize-nbits", "kiln-kernels",
+                                 "logits-to-keep", "eliminate-dead-nodes"),
     ("cpu", "seq2seq", "fp32"): (*CLEANUP, "fuse-mha", "lower-attention", "decompose-norm", "eliminate-dead-nodes"),
     ("tensorrt", "encoder", "fp32"): (*CLEANUP, "lower-attention", "canonicalize-attention", "pin-norms-fp32",
                                       "eliminate-dead-nodes", "check-tensorrt-ops"),

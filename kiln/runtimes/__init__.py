@@ -164,4 +164,7 @@ def open_manifest(manifest: Manifest, backend: str = "onnxruntime", threads: int
     model = Model(manifest, runtimes)
     model.backend = {"name": "onnxruntime-cpu" if chosen == "onnxruntime" else chosen, "requested": backend,
                      "skipped": skipped}
+    ran = next((r.kernels for r in runtimes.values() if getattr(r, "kernels", None)), None)
+    if ran is not None:  # the artifact's low-bit nodes: kiln's library, or ONNX Runtime's MatMulNBits (and why)
+        model.backend["kernels"] = ran
     return model

@@ -167,6 +167,8 @@ def named_files(data: dict[str, Any]) -> dict[str, Any]:
     out |= {f"tokenizer.{k}": tok[k] for k in ("file", "chat_template") if tok.get(k) is not None}
     if data.get("canary"):
         out["canary.file"] = data["canary"]["file"]
+    kernels = data.get("kernels") or {}
+    out |= {f"kernels.fallback.{k}": v for k, v in (kernels.get("fallback") or {}).items()}
     return out
 
 

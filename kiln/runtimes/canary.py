@@ -288,7 +288,8 @@ def check(model: Any, threads: int | None = None) -> Result | None:
     if grouped is None:
         return None
     spec = model.manifest.data["canary"]
-    result = Result(machine_line(model.backend["name"], threads))
+    ran = model.backend.get("kernels")
+    result = Result(machine_line(model.backend["name"], threads) + (f", low-bit kernels {ran['ran']}" if ran else ""))
     got: dict[str, Any] = {}
     for entry in spec["entries"]:
         name, kind = entry["name"], entry["kind"]

@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kiln.errors import ArtifactError, ClosedError, GraphRunError
+from kiln.runtimes import kernels
 from kiln.runtimes.artifact import Manifest, cache_shape
 from kiln.runtimes.base import CacheRunner, Runtime, Seq2SeqRunner, check_assumptions
 
@@ -32,6 +33,8 @@ class OnnxRuntime(Runtime):
         self._input_names: set[str] = set()
         self._path = "the artifact"
         self.pool = BufferPool()
+        self.kernels: dict | None = None
+        """What computes the artifact's kiln nodes here (``kernels.graph_file``); None: it has none."""
 
     def load(self, manifest: Manifest, graph: str = "model") -> None:
         opts = ort.SessionOptions()
@@ -45,7 +48,7 @@ class OnnxRuntime(Runtime):
         }[self.optimization]
         for key, value in self.session_config.items():  # e.g. session.intra_op.allow_spinning
             opts.add_session_config_entry(key, value)
-        path = manifest.graph_path(graph)
+        path, self.kernels = kernels.graph_file(manifest, graph, opts)
         providers = [(p, tensorrt_provider_options(manifest)) if p == "TensorrtExecutionProvider" else p
                      for p in self.providers]
         try:

@@ -15,6 +15,7 @@ from conftest import fast_options, planted
 from onnx import numpy_helper
 
 import kiln.runtimes as kr
+from kiln.runtimes import kernels
 from kiln.cli import main
 from kiln.compiler import compile, trace
 from kiln.compiler.facts import model_facts
@@ -297,3 +298,40 @@ def test_the_reference_rounds_each_table_the_pass_quantized():
     assert tables([["model.per_layer.weight", 40, 48]]) == [model.per_layer]
     assert tables([["val_2417", 40, 32], ["model.per_layer.weight", 40, 48]]) == [model.embed_tokens, model.per_layer]
     assert tables([["val_7", 40, 64]]) == []  # nothing of that shape: nothing rounded, never a guess
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kiln's kernel library is not built here")
+def test_kiln_kernels_compute_and_the_fallback_runs_without_them(int4_artifact, monkeypatch):
+    """The CPU artifact computes its low-bit MatMuls with kiln's library (the compile verified them there), and
+    ships the same graph on ONNX Runtime's MatMulNBits: with the library hidden, that one loads, is reported, and the
+    canary passes it."""
+    _, out = int4_artifact
+    m = manifest(out)
+    assert m["kernels"]["op"] == "ai.kiln.MatMulNBits" and m["kernels"]["nodes"] == entry(m, "quantize-nbits")["stats"]["quantized"]
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    twin = onnx.load(str(out / m["kernels"]["fallback"]["model"]), load_external_data=False)
+    ours = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    assert ours and all(n.domain == "ai.kiln" for n in ours)
+    assert [n.domain for n in twin.graph.node if n.op_type == "MatMulNBits"] == ["com.microsoft"] * len(ours)
+    assert [n.input for n in twin.graph.node] == [n.input for n in graph.graph.node]  # the same codes
+    ids = np.array([[5, 6, 7, 8, 9, 10]], np.int64)
+    with kr.load(out, threads=1) as model:
+        assert model.backend["kernels"]["ran"].startswith("kiln ")
+        assert model.canary.passed and model.canary.rows_agree  # one row alone = beside others: no min_rows=2
+        ours_tokens = model.generate(ids, np.ones_like(ids), max_new_tokens=6, stop_token_ids=[], pad_token_id=0)
+    monkeypatch.setenv(kernels.HIDE, "0")
+    with kr.load(out, threads=1) as model:
+        assert model.backend["kernels"] == {"op": "com.microsoft.MatMulNBits", "ran": "onnxruntime MatMulNBits",
+                                            "reason": "KILN_KERNELS=0"}
+        assert model.canary.passed and "onnxruntime MatMulNBits" in model.canary.machine
+        theirs = model.generate(ids, np.ones_like(ids), max_new_tokens=6, stop_token_ids=[], pad_token_id=0)
+    assert theirs.shape == ours_tokens.shape
+
+
+def test_kernels_onnxruntime_keeps_matmulnbits(tiny_llama, tmp_path):
+    out = compile(tiny_llama, tmp_path / "llama", fast_options(precision="int4", quant_method="rtn", kernels="onnxruntime",
+                                                               verify_max_length=64))
+    m = manifest(out)
+    assert "kernels" not in m and not (out / "model.fallback.onnx").exists()
+    assert all(n.domain == "com.microsoft" for n in onnx.load(str(out / "model.onnx")).graph.node
+               if n.op_type == "MatMulNBits")

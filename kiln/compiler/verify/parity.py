@@ -83,7 +83,11 @@ fuses blocked DequantizeLinear + MatMul into MatMulNBits, by default at accuracy
 
 def fp32_activations(model: Any) -> Any:
     """The graph of INT4's codes check: every MatMulNBits and QMoE of ``model`` (an onnx ModelProto) at
-    accuracy_level 0 (FP32 activations), in place."""
+    accuracy_level 0 (FP32 activations), in place; kiln's own MatMulNBits (always int8 activations) become ONNX
+    Runtime's for it."""
+    from kiln.passes.kiln_kernels import fallback
+
+    fallback(model)
     for node in model.graph.node:
         if node.op_type in ("MatMulNBits", "QMoE"):
             for a in node.attribute:

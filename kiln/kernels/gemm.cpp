@@ -1,0 +1,326 @@
+// kiln's weight-only low-bit GEMM (see gemm.h for the numerics and the layout).
+// Built with -ffp-contract=off: every fused multiply-add is written out, so no path gets one the others lack.
+#include "gemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define KILN_X86 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+namespace kiln {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512vnni";
+    default: return "scalar";
+  }
+}
+
+bool parse_isa(const char* name, Isa* out) {
+  const Isa all[] = {Isa::scalar, Isa::avx2, Isa::avx512};
+  for (Isa isa : all) {
+    if (std::strcmp(name, isa_name(isa)) == 0) {
+      *out = isa;
+      return true;
+    }
+  }
+  return false;
+}
+
+#ifdef KILN_X86
+static uint64_t xcr0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t(edx) << 32) | eax;
+}
+#endif
+
+bool isa_supported(Isa isa) {
+  if (isa == Isa::scalar) return true;
+#ifdef KILN_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE) || !(c & bit_FMA) || !(c & bit_AVX)) return false;
+  uint64_t os = xcr0();
+  if ((os & 0x6) != 0x6) return false;  // the OS saves XMM and YMM state
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & bit_AVX2)) return false;
+  if (isa == Isa::avx2) return true;
+  // AVX-512: F, BW, VL and VNNI listed, and the OS saves opmask and ZMM state (XCR0 bits 5-7)
+  return (b & bit_AVX512F) && (b & bit_AVX512BW) && (b & bit_AVX512VL) && (c & bit_AVX512VNNI) &&
+         (os & 0xe0) == 0xe0;
+#else
+  return false;
+#endif
+}
+
+Isa best_isa() {
+  if (isa_supported(Isa::avx512)) return Isa::avx512;
+  if (isa_supported(Isa::avx2)) return Isa::avx2;
+  return Isa::scalar;
+}
+
+static inline int nibble(const uint8_t* row, int64_t i) { return (row[i >> 1] >> ((i & 1) * 4)) & 15; }
+
+std::string pack(int bits, int block, int64_t k, int64_t n, const uint8_t* codes, const float* scales,
+                 const uint8_t* zeros, Packed* out) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (block < 16 || (block & (block - 1)) || block > 4096) return "block_size must be a power of two in [16, 4096]";
+  if (k <= 0 || n <= 0) return "K and N must be positive";
+  Packed& p = *out;
+  p.bits = bits;
+  p.block = block;
+  p.k = k;
+  p.n = n;
+  p.blocks = (k + block - 1) / block;
+  p.tiles = (n + kTile - 1) / kTile;
+  const int64_t row_bytes = int64_t(block) * bits / 8;       // one column's block in the source
+  const int64_t zero_row = (p.blocks * bits + 7) / 8;        // one column's zero points in the source
+  p.codes.assign(size_t(p.tiles * p.blocks * p.block_bytes()), 0);
+  p.scales.assign(size_t(p.tiles * p.blocks * kTile), 0.0f);
+  p.zeros.assign(size_t(p.tiles * p.blocks * kTile), 0);
+  const int chunks = block / 4;
+  for (int64_t col = 0; col < n; ++col) {
+    const int64_t t = col / kTile;
+    const int c = int(col % kTile);
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      const uint8_t* src = codes + (col * p.blocks + b) * row_bytes;
+      uint8_t* dst = p.codes.data() + (t * p.blocks + b) * p.block_bytes();
+      for (int g = 0; g < chunks; ++g) {
+        for (int i = 0; i < 4; ++i) {
+          const int64_t at = int64_t(g) * 4 + i;
+          if (bits == 8) {
+            dst[g * 64 + c * 4 + i] = src[at];
+          } else {
+            const int v = nibble(src, at);
+            dst[(g >> 1) * 64 + c * 4 + i] |= uint8_t(v << ((g & 1) * 4));
+          }
+        }
+      }
+      const size_t at = size_t((t * p.blocks + b) * kTile + c);
+      p.scales[at] = scales[col * p.blocks + b];
+      int zero = 1 << (bits - 1);
+      if (zeros) zero = bits == 8 ? zeros[col * zero_row + b] : nibble(zeros + col * zero_row, b);
+      p.zeros[at] = zero;
+    }
+  }
+  return "";
+}
+
+void prepare(int64_t m, int64_t k, int block, int64_t blocks, Activations* a) {
+  (void)k;
+  a->m = m;
+  a->blocks = blocks;
+  a->padded = blocks * block;
+  a->q.assign(size_t(m * a->padded), 0);
+  a->scale.assign(size_t(m * blocks), 0.0f);
+  a->sum.assign(size_t(m * blocks), 0);
+}
+
+void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t k, int block, Activations* a) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = x + m * k;
+    int8_t* q = a->q.data() + m * a->padded;
+    for (int64_t b = 0; b < a->blocks; ++b) {
+      const int64_t lo = b * block, hi = std::min<int64_t>(k, lo + block);
+      float amax = 0.0f;
+      for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(row[i]));
+      const float scale = amax / 127.0f;
+      const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+      int32_t sum = 0;
+      for (int64_t i = lo; i < hi; ++i) {
+        const float v = std::nearbyint(row[i] * inv);
+        const int iv = int(std::min(127.0f, std::max(-127.0f, v)));
+        q[i] = int8_t(iv);
+        sum += iv;
+      }
+      a->scale[size_t(m * a->blocks + b)] = scale;
+      a->sum[size_t(m * a->blocks + b)] = sum;
+    }
+  }
+}
+
+// ---- scalar: the reference every path equals -------------------------------------------------------------------
+
+static void tiles_scalar(const Packed& w, const Activations& a, int64_t t0, int64_t t1, float* y) {
+  const int chunks = w.block / 4;
+  std::vector<float> acc(kTile);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t m = 0; m < a.m; ++m) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const uint8_t* codes = w.codes.data() + (t * w.blocks + b) * w.block_bytes();
+        const int8_t* q = a.q.data() + m * a.padded + b * w.block;
+        const float sa = a.scale[size_t(m * a.blocks + b)];
+        const int32_t suma = a.sum[size_t(m * a.blocks + b)];
+        for (int c = 0; c < kTile; ++c) {
+          int32_t dot = 0;
+          for (int g = 0; g < chunks; ++g) {
+            for (int i = 0; i < 4; ++i) {
+              const int code = w.bits == 8 ? codes[g * 64 + c * 4 + i]
+                                           : (codes[(g >> 1) * 64 + c * 4 + i] >> ((g & 1) * 4)) & 15;
+              dot += code * q[g * 4 + i];
+            }
+          }
+          const size_t at = size_t((t * w.blocks + b) * kTile + c);
+          dot -= w.zeros[at] * suma;
+          const float s = w.scales[at] * sa;
+          acc[c] = std::fma(float(dot), s, acc[c]);
+        }
+      }
+      for (int c = 0; c < kTile && t * kTile + c < w.n; ++c) y[m * w.n + t * kTile + c] = acc[c];
+    }
+  }
+}
+
+// A tile's M x 16 sums into y's columns (the last tile's padding columns dropped).
+static void store_tile(const Packed& w, int64_t m, int64_t t, const float* acc_rows, float* y) {
+  const int64_t cols = std::min<int64_t>(kTile, w.n - t * kTile);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * w.n + t * kTile, acc_rows + r * kTile, size_t(cols) * 4);
+}
+
+#ifdef KILN_X86
+
+// ---- AVX2 --------------------------------------------------------------------------------------------------------
+
+__attribute__((target("avx2,fma"))) static void tiles_avx2(const Packed& w, const Activations& a, int64_t t0,
+                                                            int64_t t1, float* y) {
+  const int chunks = w.block / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  alignas(64) uint8_t unpacked[64 * 1024];  // one block's codes, one byte each (block <= 4096)
+  std::vector<float> acc_rows(size_t(a.m) * kTile);
+  for (int64_t t = t0; t < t1; ++t) {
+    std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* codes = w.codes.data() + (t * w.blocks + b) * w.block_bytes();
+      const uint8_t* src = codes;
+      if (w.bits == 4) {  // the nibbles unpacked once, read by every row
+        for (int j = 0; j < chunks / 2; ++j) {
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 64 + h * 32));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + (2 * j) * 64 + h * 32), _mm256_and_si256(v, low));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + (2 * j + 1) * 64 + h * 32),
+                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+          }
+        }
+        src = unpacked;
+      }
+      const size_t at = size_t((t * w.blocks + b) * kTile);
+      const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at));
+      const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at + 8));
+      const __m256 s0 = _mm256_loadu_ps(w.scales.data() + at), s1 = _mm256_loadu_ps(w.scales.data() + at + 8);
+      for (int64_t m = 0; m < a.m; ++m) {
+        const int8_t* q = a.q.data() + m * a.padded + b * w.block;
+        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
+        if (w.bits == 4) {
+          // code <= 15, |a| <= 127: a pair <= 3810, eight pairs summed in int16 <= 30480
+          for (int g0 = 0; g0 < chunks; g0 += 8) {
+            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            for (int g = g0; g < g0 + 8 && g < chunks; ++g) {
+              int32_t four;
+              std::memcpy(&four, q + g * 4, 4);
+              const __m256i av = _mm256_set1_epi32(four);
+              h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(
+                  _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64)), av));
+              h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(
+                  _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32)), av));
+            }
+            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(h0, ones));
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(h1, ones));
+          }
+        } else {
+          // signed codes (code - 128) against |w|, sign(a, w): a pair <= 2 * 128 * 127, widened at once
+          for (int g = 0; g < chunks; ++g) {
+            int32_t four;
+            std::memcpy(&four, q + g * 4, 4);
+            const __m256i av = _mm256_set1_epi32(four);
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 64)), flip);
+            const __m256i w1 = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32)), flip);
+            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(av, w0)), ones));
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(av, w1)), ones));
+          }
+        }
+        const int32_t suma = a.sum[size_t(m * a.blocks + b)];
+        __m256i zs0 = _mm256_mullo_epi32(z0, _mm256_set1_epi32(suma));
+        __m256i zs1 = _mm256_mullo_epi32(z1, _mm256_set1_epi32(suma));
+        if (w.bits == 8) {  // dot(code, a) = dot(code - 128, a) + 128 sum(a)
+          const __m256i back = _mm256_set1_epi32(128 * suma);
+          zs0 = _mm256_sub_epi32(zs0, back);
+          zs1 = _mm256_sub_epi32(zs1, back);
+        }
+        i0 = _mm256_sub_epi32(i0, zs0);
+        i1 = _mm256_sub_epi32(i1, zs1);
+        const __m256 sa = _mm256_set1_ps(a.scale[size_t(m * a.blocks + b)]);
+        float* acc = acc_rows.data() + m * kTile;
+        _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(s0, sa), _mm256_loadu_ps(acc)));
+        _mm256_storeu_ps(acc + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(s1, sa),
+                                                  _mm256_loadu_ps(acc + 8)));
+      }
+    }
+    store_tile(w, a.m, t, acc_rows.data(), y);
+  }
+}
+
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) static void tiles_avx512(
+    const Packed& w, const Activations& a, int64_t t0, int64_t t1, float* y) {
+  const int chunks = w.block / 4;
+  const __m512i low = _mm512_set1_epi8(15);
+  alignas(64) uint8_t unpacked[64 * 1024];
+  std::vector<float> acc_rows(size_t(a.m) * kTile);
+  for (int64_t t = t0; t < t1; ++t) {
+    std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* codes = w.codes.data() + (t * w.blocks + b) * w.block_bytes();
+      const uint8_t* src = codes;
+      if (w.bits == 4) {
+        for (int j = 0; j < chunks / 2; ++j) {
+          const __m512i v = _mm512_loadu_si512(codes + j * 64);
+          _mm512_store_si512(unpacked + (2 * j) * 64, _mm512_and_si512(v, low));
+          _mm512_store_si512(unpacked + (2 * j + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+        src = unpacked;
+      }
+      const size_t at = size_t((t * w.blocks + b) * kTile);
+      const __m512i z = _mm512_loadu_si512(w.zeros.data() + at);
+      const __m512 s = _mm512_loadu_ps(w.scales.data() + at);
+      for (int64_t m = 0; m < a.m; ++m) {
+        const int8_t* q = a.q.data() + m * a.padded + b * w.block;
+        __m512i i = _mm512_setzero_si512();
+        for (int g = 0; g < chunks; ++g) {
+          int32_t four;
+          std::memcpy(&four, q + g * 4, 4);
+          i = _mm512_dpbusd_epi32(i, _mm512_loadu_si512(src + g * 64), _mm512_set1_epi32(four));
+        }
+        i = _mm512_sub_epi32(i, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[size_t(m * a.blocks + b)])));
+        const __m512 sa = _mm512_set1_ps(a.scale[size_t(m * a.blocks + b)]);
+        float* acc = acc_rows.data() + m * kTile;
+        _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, sa), _mm512_loadu_ps(acc)));
+      }
+    }
+    store_tile(w, a.m, t, acc_rows.data(), y);
+  }
+}
+
+#endif  // KILN_X86
+
+void gemm_tiles(Isa isa, const Packed& w, const Activations& a, int64_t t0, int64_t t1, float* y) {
+#ifdef KILN_X86
+  if (isa == Isa::avx512) return tiles_avx512(w, a, t0, t1, y);
+  if (isa == Isa::avx2) return tiles_avx2(w, a, t0, t1, y);
+#endif
+  (void)isa;
+  tiles_scalar(w, a, t0, t1, y);
+}
+
+}  // namespace kiln

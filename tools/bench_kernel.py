@@ -1,0 +1,122 @@
+"""kiln's low-bit kernel alone against ONNX Runtime's MatMulNBits, the same codes, one run, side by side.
+
+For each weight shape of SmolLM2-135M and a 1.1B Llama (TinyLlama) and each row count M (decode rows 1-16, prefill
+64 and 512): the median time of one MatMul in a one-node session on each kernel, the ratio, the kernel's weight
+bandwidth, and M rows against one row. The roof is this machine's memory bandwidth, measured here with a
+STREAM-style copy (numpy, 256 MB each way). Prints the CPU line first.
+
+    .venv/bin/python tools/bench_kernel.py [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kiln.passes.quantize_nbits import pack, rtn  # noqa: E402
+from kiln.runtimes import kernels  # noqa: E402
+from kiln.runtimes.canary import cpu_name, isa  # noqa: E402
+
+# (model, weight, K, N, bits): the default INT4 recipe's formats (4-bit group 32; 8-bit head at block 64)
+SHAPES = [("smollm2-135m", "q/o proj", 576, 576, 4), ("smollm2-135m", "gate/up", 576, 1536, 4),
+          ("smollm2-135m", "down", 1536, 576, 4), ("smollm2-135m", "lm_head int8", 576, 49152, 8),
+          ("llama-1.1b", "q/o proj", 2048, 2048, 4), ("llama-1.1b", "gate/up", 2048, 5632, 4),
+          ("llama-1.1b", "down", 5632, 2048, 4), ("llama-1.1b", "lm_head int8", 2048, 32000, 8)]
+ROWS = (1, 2, 4, 8, 16, 64, 512)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 256 MB array copy (read + write counted), best of 5."""
+    a = np.ones(1 << 26, np.float32)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def graph(path: Path, k: int, n: int, bits: int, domain: str) -> int:
+    block = 64 if bits == 8 else 32
+    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
+    q = rtn(w, bits, block)
+    codes = pack(q.codes, bits).reshape(n, -1, block * bits // 8)
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain=domain, K=k, N=n, bits=bits,
+                            block_size=block, accuracy_level=4)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+                          [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(q.scales, "S")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    return codes.nbytes + q.scales.nbytes
+
+
+def session(path: Path, threads: int, library: bool) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    if library:
+        opts.register_custom_ops_library(str(kernels.library()))
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def timed(s: ort.InferenceSession, x: np.ndarray, budget: float) -> float:
+    for _ in range(3):
+        s.run(None, {"A": x})
+    times = []
+    end = time.perf_counter() + budget
+    while time.perf_counter() < end or len(times) < 5:
+        t = time.perf_counter()
+        s.run(None, {"A": x})
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="0.1 s a measurement instead of 0.4")
+    args = ap.parse_args()
+    state = kernels.status()
+    if state["library"] is None:
+        print(f"bench_kernel: error: {state['reason']}; build it with pip install -e .", file=sys.stderr)
+        return 2
+    roof = copy_bandwidth()
+    print(f"machine: {cpu_name()} ({isa()}), onnxruntime {ort.__version__}, kiln kernel {state['isa']}, "
+          f"threads {args.threads}; copy bandwidth {roof:.1f} GB/s")
+    print("| model | weight | K x N | bits | M | kiln us | MatMulNBits us | speedup | kiln GB/s (of roof) | "
+          "kiln M rows / 1 row | MatMulNBits M / 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    budget = 0.1 if args.quick else 0.4
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, name, k, n, bits in SHAPES:
+            ours, theirs = Path(tmp) / f"k{k}_{n}.onnx", Path(tmp) / f"m{k}_{n}.onnx"
+            nbytes = graph(ours, k, n, bits, "ai.kiln")
+            graph(theirs, k, n, bits, "com.microsoft")
+            s_ours, s_theirs = session(ours, args.threads, True), session(theirs, args.threads, False)
+            one: dict[str, float] = {}
+            for m in ROWS:
+                x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                a, b = timed(s_ours, x, budget), timed(s_theirs, x, budget)
+                one.setdefault("a", a)
+                one.setdefault("b", b)
+                gbs = nbytes / a / 1e9
+                print(f"| {model} | {name} | {k} x {n} | {bits} | {m} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x | "
+                      f"{gbs:.1f} ({gbs / roof:.0%}) | {a / one['a']:.2f}x | {b / one['b']:.2f}x |", flush=True)
+            del s_ours, s_theirs
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
