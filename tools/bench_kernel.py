@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.passes.quantize_nbits import pack, rtn  # noqa: E402
+from kiln.passes.codes import pack, rtn  # noqa: E402
 from kiln.runtimes import kernels  # noqa: E402
 from kiln.runtimes.canary import cpu_name, isa  # noqa: E402
 

@@ -73,7 +73,7 @@ class Checkpoint:
     scratch: Any = None
     """Keeps a converted checkpoint's temporary directory alive as long as the checkpoint."""
     codebook: Any = None
-    """An already-quantized checkpoint's codes (kiln.passes.quantize_nbits.Codebook): compiled as they are."""
+    """An already-quantized checkpoint's codes (kiln.passes.codes.Codebook): compiled as they are."""
     imported: dict[str, Any] | None = None
     """What the quantized checkpoint declared (format, bits, group size, act-order, symmetry)."""
     pruning: dict[str, Any] | None = None

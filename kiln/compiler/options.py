@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import UsageError
+from kiln.passes.codes import GROUP_SIZE
 
 TASKS = ("feature-extraction", "sequence-classification", "token-classification", "causal-lm", "text2text-generation")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -85,7 +86,7 @@ class CompileOptions:
     quant_method: str = "gptq"
     """int4: gptq (layer by layer on calibration text), rtn (round-to-nearest, no data), awq (activation-aware
     scales on calibration text, then round-to-nearest) or awq+gptq (AWQ's scales, then GPTQ)."""
-    group_size: int = 32
+    group_size: int = GROUP_SIZE
     """int4: inputs per scale, a power of two >= 16; 0: one group per row. 32: SmolLM2-135M held-out perplexity
     +11.6% over FP32 (GPTQ, act-order) against +13.0% at 128, at 0.63 vs 0.53 bytes per weight."""
     act_order: bool = True

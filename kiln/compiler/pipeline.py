@@ -45,7 +45,8 @@ from kiln.passes.kv_cache_concat import AddKVCacheConcat
 from kiln.passes.pin_norms import PinNormsFP32
 from kiln.passes.reduce_precision import ReducePrecision
 from kiln.passes.quantize_int8 import QuantizeDynamicInt8
-from kiln.passes.quantize_nbits import Codebook, QuantizeBlockwise
+from kiln.passes.codes import Codebook
+from kiln.passes.quantize_nbits import QuantizeBlockwise
 from kiln.passes.quantize_qdq import QuantizeStaticQDQ
 from kiln.passes.logits_to_keep import LogitsToKeep
 from kiln.passes.lower_attention import LowerAttention

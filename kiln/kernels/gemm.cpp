@@ -187,12 +187,89 @@ static void store_tile(const Packed& w, int64_t m, int64_t t, const float* acc_r
 
 // ---- AVX2 --------------------------------------------------------------------------------------------------------
 
+static inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One block's integer sums of R rows against a tile's 16 columns (two halves of 8): each weight load feeds R rows.
+// A row's integers do not depend on R (they are exact), so rows blocked by 4 equal rows taken alone.
+template <int R>
+__attribute__((target("avx2,fma"))) static inline void sums_avx2(int bits, const uint8_t* src, int chunks,
+                                                                 const int8_t* q, int64_t stride, __m256i* lo,
+                                                                 __m256i* hi) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  if (bits == 4) {
+    // code <= 15, |a| <= 127: a pair <= 3810, eight pairs summed in int16 <= 30480
+    for (int g0 = 0; g0 < chunks; g0 += 8) {
+      __m256i h0[R], h1[R];
+      for (int r = 0; r < R; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
+      const int g1 = std::min(chunks, g0 + 8);
+      for (int g = g0; g < g1; ++g) {
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32));
+        for (int r = 0; r < R; ++r) {
+          const __m256i av = _mm256_set1_epi32(four_bytes(q + r * stride + g * 4));
+          h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(w0, av));
+          h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(w1, av));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(h0[r], ones));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(h1[r], ones));
+      }
+    }
+    return;
+  }
+  // 8 bits: signed codes (code - 128) as |w| against sign(a, w): a pair <= 2 * 128 * 127, widened at once
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int g = 0; g < chunks; ++g) {
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 64)), flip);
+    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32)), flip);
+    const __m256i m0 = _mm256_sign_epi8(w0, w0), m1 = _mm256_sign_epi8(w1, w1);
+    for (int r = 0; r < R; ++r) {
+      const __m256i av = _mm256_set1_epi32(four_bytes(q + r * stride + g * 4));
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(av, w0)), ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(av, w1)), ones));
+    }
+  }
+}
+
+// R rows of one block: sums, zero points, then acc = fma(float(sum), s_w * s_a, acc) per row.
+template <int R>
+__attribute__((target("avx2,fma"))) static inline void rows_avx2(const Packed& w, const Activations& a, int64_t t,
+                                                                 int64_t b, const uint8_t* src, int64_t m,
+                                                                 float* acc_rows) {
+  __m256i lo[R], hi[R];
+  sums_avx2<R>(w.bits, src, w.block / 4, a.q.data() + m * a.padded + b * w.block, a.padded, lo, hi);
+  const size_t at = size_t((t * w.blocks + b) * kTile);
+  const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at));
+  const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at + 8));
+  const __m256 s0 = _mm256_loadu_ps(w.scales.data() + at), s1 = _mm256_loadu_ps(w.scales.data() + at + 8);
+  for (int r = 0; r < R; ++r) {
+    const int32_t suma = a.sum[size_t((m + r) * a.blocks + b)];
+    __m256i zs0 = _mm256_mullo_epi32(z0, _mm256_set1_epi32(suma));
+    __m256i zs1 = _mm256_mullo_epi32(z1, _mm256_set1_epi32(suma));
+    if (w.bits == 8) {  // dot(code, a) = dot(code - 128, a) + 128 sum(a)
+      const __m256i back = _mm256_set1_epi32(128 * suma);
+      zs0 = _mm256_sub_epi32(zs0, back);
+      zs1 = _mm256_sub_epi32(zs1, back);
+    }
+    const __m256 sa = _mm256_set1_ps(a.scale[size_t((m + r) * a.blocks + b)]);
+    float* acc = acc_rows + (m + r) * kTile;
+    _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo[r], zs0)), _mm256_mul_ps(s0, sa),
+                                          _mm256_loadu_ps(acc)));
+    _mm256_storeu_ps(acc + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi[r], zs1)),
+                                              _mm256_mul_ps(s1, sa), _mm256_loadu_ps(acc + 8)));
+  }
+}
+
 __attribute__((target("avx2,fma"))) static void tiles_avx2(const Packed& w, const Activations& a, int64_t t0,
                                                             int64_t t1, float* y) {
   const int chunks = w.block / 4;
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i low = _mm256_set1_epi8(15);
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
   alignas(64) uint8_t unpacked[64 * 1024];  // one block's codes, one byte each (block <= 4096)
   std::vector<float> acc_rows(size_t(a.m) * kTile);
   for (int64_t t = t0; t < t1; ++t) {
@@ -211,66 +288,41 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const Packed& w, cons
         }
         src = unpacked;
       }
-      const size_t at = size_t((t * w.blocks + b) * kTile);
-      const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at));
-      const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at + 8));
-      const __m256 s0 = _mm256_loadu_ps(w.scales.data() + at), s1 = _mm256_loadu_ps(w.scales.data() + at + 8);
-      for (int64_t m = 0; m < a.m; ++m) {
-        const int8_t* q = a.q.data() + m * a.padded + b * w.block;
-        __m256i i0 = _mm256_setzero_si256(), i1 = _mm256_setzero_si256();
-        if (w.bits == 4) {
-          // code <= 15, |a| <= 127: a pair <= 3810, eight pairs summed in int16 <= 30480
-          for (int g0 = 0; g0 < chunks; g0 += 8) {
-            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
-            for (int g = g0; g < g0 + 8 && g < chunks; ++g) {
-              int32_t four;
-              std::memcpy(&four, q + g * 4, 4);
-              const __m256i av = _mm256_set1_epi32(four);
-              h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(
-                  _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64)), av));
-              h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(
-                  _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32)), av));
-            }
-            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(h0, ones));
-            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(h1, ones));
-          }
-        } else {
-          // signed codes (code - 128) against |w|, sign(a, w): a pair <= 2 * 128 * 127, widened at once
-          for (int g = 0; g < chunks; ++g) {
-            int32_t four;
-            std::memcpy(&four, q + g * 4, 4);
-            const __m256i av = _mm256_set1_epi32(four);
-            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 64)), flip);
-            const __m256i w1 = _mm256_xor_si256(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32)), flip);
-            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(av, w0)), ones));
-            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(av, w1)), ones));
-          }
-        }
-        const int32_t suma = a.sum[size_t(m * a.blocks + b)];
-        __m256i zs0 = _mm256_mullo_epi32(z0, _mm256_set1_epi32(suma));
-        __m256i zs1 = _mm256_mullo_epi32(z1, _mm256_set1_epi32(suma));
-        if (w.bits == 8) {  // dot(code, a) = dot(code - 128, a) + 128 sum(a)
-          const __m256i back = _mm256_set1_epi32(128 * suma);
-          zs0 = _mm256_sub_epi32(zs0, back);
-          zs1 = _mm256_sub_epi32(zs1, back);
-        }
-        i0 = _mm256_sub_epi32(i0, zs0);
-        i1 = _mm256_sub_epi32(i1, zs1);
-        const __m256 sa = _mm256_set1_ps(a.scale[size_t(m * a.blocks + b)]);
-        float* acc = acc_rows.data() + m * kTile;
-        _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(s0, sa), _mm256_loadu_ps(acc)));
-        _mm256_storeu_ps(acc + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(s1, sa),
-                                                  _mm256_loadu_ps(acc + 8)));
-      }
+      int64_t m = 0;
+      for (; m + 4 <= a.m; m += 4) rows_avx2<4>(w, a, t, b, src, m, acc_rows.data());
+      for (; m < a.m; ++m) rows_avx2<1>(w, a, t, b, src, m, acc_rows.data());
     }
     store_tile(w, a.m, t, acc_rows.data(), y);
   }
 }
 
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------------------------
+
+// R rows of one block against a tile's 16 columns: dpbusd takes the unsigned codes (4 or 8 bits) as they are.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) static inline void rows_avx512(
+    const Packed& w, const Activations& a, int64_t t, int64_t b, const uint8_t* src, int64_t m, float* acc_rows) {
+  const int chunks = w.block / 4;
+  const int8_t* q = a.q.data() + m * a.padded + b * w.block;
+  __m512i sums[R];
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+  for (int g = 0; g < chunks; ++g) {
+    const __m512i wv = _mm512_loadu_si512(src + g * 64);
+    for (int r = 0; r < R; ++r) {
+      sums[r] = _mm512_dpbusd_epi32(sums[r], wv, _mm512_set1_epi32(four_bytes(q + r * a.padded + g * 4)));
+    }
+  }
+  const size_t at = size_t((t * w.blocks + b) * kTile);
+  const __m512i z = _mm512_loadu_si512(w.zeros.data() + at);
+  const __m512 s = _mm512_loadu_ps(w.scales.data() + at);
+  for (int r = 0; r < R; ++r) {
+    const __m512i zs = _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[size_t((m + r) * a.blocks + b)]));
+    const __m512 sa = _mm512_set1_ps(a.scale[size_t((m + r) * a.blocks + b)]);
+    float* acc = acc_rows + (m + r) * kTile;
+    _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r], zs)), _mm512_mul_ps(s, sa),
+                                          _mm512_loadu_ps(acc)));
+  }
+}
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) static void tiles_avx512(
     const Packed& w, const Activations& a, int64_t t0, int64_t t1, float* y) {
@@ -291,22 +343,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) static 
         }
         src = unpacked;
       }
-      const size_t at = size_t((t * w.blocks + b) * kTile);
-      const __m512i z = _mm512_loadu_si512(w.zeros.data() + at);
-      const __m512 s = _mm512_loadu_ps(w.scales.data() + at);
-      for (int64_t m = 0; m < a.m; ++m) {
-        const int8_t* q = a.q.data() + m * a.padded + b * w.block;
-        __m512i i = _mm512_setzero_si512();
-        for (int g = 0; g < chunks; ++g) {
-          int32_t four;
-          std::memcpy(&four, q + g * 4, 4);
-          i = _mm512_dpbusd_epi32(i, _mm512_loadu_si512(src + g * 64), _mm512_set1_epi32(four));
-        }
-        i = _mm512_sub_epi32(i, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[size_t(m * a.blocks + b)])));
-        const __m512 sa = _mm512_set1_ps(a.scale[size_t(m * a.blocks + b)]);
-        float* acc = acc_rows.data() + m * kTile;
-        _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, sa), _mm512_loadu_ps(acc)));
-      }
+      int64_t m = 0;
+      for (; m + 4 <= a.m; m += 4) rows_avx512<4>(w, a, t, b, src, m, acc_rows.data());
+      for (; m < a.m; ++m) rows_avx512<1>(w, a, t, b, src, m, acc_rows.data());
     }
     store_tile(w, a.m, t, acc_rows.data(), y);
   }

@@ -152,10 +152,14 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   thread_local kiln::Activations act;  // one buffer per calling thread, reused across calls
   kiln::prepare(m, p.k, p.block, p.blocks, &act);
   Work work{kernel, &act, static_cast<float*>(y), 1, static_cast<const float*>(x), 1, &act};
-  work.rows_per_task = std::max<int64_t>(1, m / 8);
-  if (OrtStatus* s = g_api.parallel_for(ctx, quantize_task, size_t((m + work.rows_per_task - 1) / work.rows_per_task),
-                                        &work))
-    return s;
+  if (m * p.k <= (int64_t(1) << 16)) {  // decode rows: quantized here, a pool dispatch costs more than the work
+    kiln::quantize_rows(work.x, 0, m, p.k, p.block, &act);
+  } else {
+    work.rows_per_task = std::max<int64_t>(1, m / 8);
+    if (OrtStatus* s = g_api.parallel_for(ctx, quantize_task,
+                                          size_t((m + work.rows_per_task - 1) / work.rows_per_task), &work))
+      return s;
+  }
   // a few tiles a task: enough tasks to balance the pool, each long enough to amortise its dispatch
   work.tiles_per_task = std::max<int64_t>(1, std::min<int64_t>(8, p.tiles / 32));
   return g_api.parallel_for(ctx, gemm_task, size_t((p.tiles + work.tiles_per_task - 1) / work.tiles_per_task), &work);

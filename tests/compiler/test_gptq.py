@@ -9,7 +9,7 @@ import torch
 
 from kiln.compiler.quantize import gptq
 from kiln.compiler.quantize.gptq import Settings, solve
-from kiln.passes.quantize_nbits import rtn
+from kiln.passes.codes import rtn
 
 
 def correlated_inputs(t: int, k: int, seed: int = 0) -> torch.Tensor:

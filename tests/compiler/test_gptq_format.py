@@ -16,7 +16,7 @@ from kiln.cli import main
 from kiln.compiler import compile
 from kiln.compiler.load import load_checkpoint
 from kiln.compiler.quantize.gptq_format import from_gptq, pack_int32, to_gptq, unpack_int32
-from kiln.passes.quantize_nbits import Quantized, rtn
+from kiln.passes.codes import Quantized, rtn
 
 pytestmark = pytest.mark.slow
 

@@ -86,4 +86,4 @@ def test_cli_choices_come_from_the_options_module():
     assert choices == {"task": O.TASKS, "precision": O.PRECISIONS, "target": O.TARGETS,
                        "calibration_method": O.CALIBRATION_METHODS, "quant_method": O.QUANT_METHODS,
                        "prune_method": O.PRUNE_METHODS, "prune_layers": O.PRUNE_LAYERS, "lm_head": O.LM_HEADS,
-                       "accuracy_level": O.ACCURACY_LEVELS}
+                       "accuracy_level": O.ACCURACY_LEVELS, "kernels": O.KERNELS}

@@ -164,7 +164,7 @@ def test_streamed_gptq_solves_what_the_in_memory_gptq_solves(sharded, tmp_path, 
     against the reference computing with those codes. The peak of weights read stays one layer plus the largest."""
     from kiln.compiler import compile, lazy
     from kiln.compiler.quantize import gptq
-    from kiln.passes import quantize_nbits
+    from kiln.passes import codes
 
     import torch
 
@@ -173,8 +173,8 @@ def test_streamed_gptq_solves_what_the_in_memory_gptq_solves(sharded, tmp_path, 
     real_init = lazy.LazyWeights.__init__
     monkeypatch.setattr(lazy.LazyWeights, "__init__", lambda self, path: (real_init(self, path), made.append(self))[0])
     stored: list[Path] = []
-    real_save = quantize_nbits._save
-    monkeypatch.setattr(quantize_nbits, "_save", lambda q, path: stored.append(real_save(q, path)) or path)
+    real_save = codes._save
+    monkeypatch.setattr(codes, "_save", lambda q, path: stored.append(real_save(q, path)) or path)
     opts = dict(precision="int4", gptq_windows=4, gptq_window=32, lm_head="int4")
     streamed = compile(sharded, tmp_path / "streamed", fast_options(stream=True, **opts))
     plain = compile(sharded, tmp_path / "plain", fast_options(stream=False, **opts))

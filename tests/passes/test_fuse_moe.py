@@ -10,7 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes import fuse_moe, run_passes
 from kiln.passes.fuse_moe import FuseMixtureOfExperts, deinterleave, interleave
-from kiln.passes.quantize_nbits import Codebook, QuantizeBlockwise, rtn
+from kiln.passes.codes import Codebook, rtn
+from kiln.passes.quantize_nbits import QuantizeBlockwise
 
 E, K, H, I, T = 4, 2, 64, 32, 7
 

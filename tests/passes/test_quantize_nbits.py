@@ -9,18 +9,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes import run_passes
-from kiln.passes.quantize_nbits import (
-    Codebook,
-    Quantized,
-    QuantizeBlockwise,
-    dequantize_blocks,
-    int_tensor,
-    pack,
-    pack_zeros,
-    quantize_blocks,
-    rtn,
-    unpack,
-)
+from kiln.passes.codes import Codebook, Quantized, dequantize_blocks, pack, pack_zeros, quantize_blocks, rtn, unpack
+from kiln.passes.quantize_nbits import QuantizeBlockwise, int_tensor
 
 
 @pytest.mark.parametrize("bits", [4, 8])

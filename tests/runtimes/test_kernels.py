@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.passes.quantize_nbits import pack, pack_zeros, rtn
+from kiln.passes.codes import pack, pack_zeros, rtn
 from kiln.runtimes import kernels
 
 built = pytest.mark.skipif(not kernels.available(), reason="kiln's kernel library is not built here")

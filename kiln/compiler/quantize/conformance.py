@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.passes.graph import MS_DOMAIN
-from kiln.passes.quantize_nbits import pack, pack_zeros
+from kiln.passes.codes import pack, pack_zeros
 
 RTOL = 1e-5
 """Agreement: |kernel - reference| <= RTOL * sum_k |a_k w_k| (+ a tiny absolute floor) per output element."""

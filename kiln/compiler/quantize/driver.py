@@ -28,11 +28,11 @@ from kiln.compiler.pipeline import STAGES, ModelFacts, StageData, build_pass, pr
 from kiln.compiler.quantize import awq, gptq
 from kiln.compiler.quantize import budget as budget_lib
 from kiln.compiler.quantize.calibrate import GraphRunner, text_batches
-from kiln.errors import CheckpointError, UnsupportedModelError, UsageError
+from kiln.errors import CheckpointError, UsageError
 from kiln.passes import run_passes
 from kiln.passes.calibration import Statistics, ranges
 from kiln.passes.quantize_int8 import candidates, weights
-from kiln.passes.quantize_nbits import PROMOTED, Codebook
+from kiln.passes.codes import PROMOTED, Codebook
 from kiln.passes.quantize_nbits import weights as blockwise_weights
 
 GPTQ_BATCH = 8
@@ -136,7 +136,7 @@ class QuantDriver:
         from kiln.passes.calibration import TensorStats
         from kiln.passes.graph import Graph
         from kiln.passes.quantize_int8 import matmul_weight
-        from kiln.passes.quantize_nbits import weight_key
+        from kiln.passes.codes import weight_key
 
         stream = LayerStream(self.ckpt, self.say)
         module = trace.graph_module(self.ckpt)
@@ -278,7 +278,7 @@ class QuantDriver:
 
         import torch
 
-        from kiln.passes.quantize_nbits import rtn, weight_key
+        from kiln.passes.codes import rtn, weight_key
 
         o = self.options
         rules = build_pass("quantize-nbits", self.facts, o)  # the grid, head and table precision the artifact got
@@ -371,7 +371,7 @@ class QuantDriver:
         experts through kiln's dense implementation), the embedding and the head are left to the rest."""
         import torch
 
-        from kiln.passes.quantize_nbits import rtn, weight_key
+        from kiln.passes.codes import rtn, weight_key
 
         with torch.no_grad():
             for p in stacked_params(model):
@@ -396,7 +396,7 @@ class QuantDriver:
         import torch
 
         from kiln.compiler import lazy
-        from kiln.passes.quantize_nbits import rtn
+        from kiln.passes.codes import rtn
 
         rules = build_pass("quantize-nbits", self.facts, self.options)
         shell = self.ckpt.model
@@ -553,7 +553,8 @@ class QuantDriver:
                                    sensitivity_feeds=SENSITIVITY_BATCHES if int4 else None)
         # the fake-quantized reference gives these weights the same precision (every column, packed or not)
         from kiln.passes.graph import Graph
-        from kiln.passes.quantize_nbits import blockwise_weight, weight_key
+        from kiln.passes.codes import weight_key
+        from kiln.passes.quantize_nbits import blockwise_weight
 
         g = Graph(fp32)
         for names, columns in ((result["kept_fp32"], self.kept_columns), (result.get("promoted_int8", ()), self.promoted_columns)):
@@ -612,10 +613,10 @@ def stacked_params(model: Any) -> Any:
 
 
 def fp32_weight_columns(model: Any) -> set[str]:
-    """First-column keys (``quantize_nbits.weight_key``) of every constant 2-D weight a standard MatMul of ``model``
+    """First-column keys (``codes.weight_key``) of every constant 2-D weight a standard MatMul of ``model``
     still reads."""
     from kiln.passes.graph import Graph
-    from kiln.passes.quantize_nbits import weight_key
+    from kiln.passes.codes import weight_key
 
     g = Graph(model)
     out = set()

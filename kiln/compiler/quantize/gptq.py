@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import UnsupportedModelError, UsageError
-from kiln.passes.quantize_nbits import Codebook, Quantized, half_exact
+from kiln.passes.codes import GROUP_SIZE, Codebook, Quantized, half_exact
 
 Progress = Callable[[str], None]
 LAZY_BLOCK = 128
@@ -43,10 +43,10 @@ LAZY_BLOCK = 128
 @dataclass(frozen=True)
 class Settings:
     bits: int = 4
-    group_size: int = 128
+    group_size: int = GROUP_SIZE
     """Columns (inputs) per scale; a power of two >= 16, or 0 for one group per row."""
     grid: str = "signed"
-    """kiln.passes.quantize_nbits.GRIDS: signed (CPU), positive (TensorRT), asym."""
+    """kiln.passes.codes.GRIDS: signed (CPU), positive (TensorRT), asym."""
     act_order: bool = False
     static_groups: bool = True
     """With act-order: each group's parameters from the original weights, in the input order, computed before the
@@ -119,7 +119,7 @@ def grid_params(w: Any, bits: int, grid: str, mse: bool) -> tuple[Any, Any]:
 
 def _half_exact(scale: Any, grid: str) -> Any:
     """The pass's ``half_exact`` on a torch row of scales (the pass then stores them in half the bytes,
-    ``kiln.passes.quantize_nbits.HALF_MIN``); codes are computed with the rounded scales, so they stay exact."""
+    ``kiln.passes.codes.HALF_MIN``); codes are computed with the rounded scales, so they stay exact."""
     import torch
 
     return torch.from_numpy(half_exact(scale.numpy(), grid))

@@ -24,7 +24,7 @@ import numpy as np
 
 from kiln.compiler.lazy import Entry, LazyWeights
 from kiln.errors import CheckpointError
-from kiln.passes.quantize_nbits import Codebook, Quantized
+from kiln.passes.codes import Codebook, Quantized
 
 GPTQ_BITS = (4,)
 """What kiln lowers an imported checkpoint to: 4-bit MatMulNBits (``--precision int4``)."""
