@@ -66,6 +66,8 @@ def graph(path: Path, k: int, n: int, bits: int, domain: str) -> int:
 def session(path: Path, threads: int, library: bool) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
+    # two sessions live side by side here: spinning pool threads of one would steal the other's cores
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if library:
         opts.register_custom_ops_library(str(kernels.library()))
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

@@ -80,16 +80,22 @@ std::string pack(int bits, int block, int64_t k, int64_t n, const uint8_t* codes
   p.tiles = (n + kTile - 1) / kTile;
   const int64_t row_bytes = int64_t(block) * bits / 8;       // one column's block in the source
   const int64_t zero_row = (p.blocks * bits + 7) / 8;        // one column's zero points in the source
-  p.codes.assign(size_t(p.tiles * p.blocks * p.block_bytes()), 0);
-  p.scales.assign(size_t(p.tiles * p.blocks * kTile), 0.0f);
-  p.zeros.assign(size_t(p.tiles * p.blocks * kTile), 0);
+  auto zero_of = [&](int64_t col, int64_t b) {
+    return bits == 8 ? zeros[col * zero_row + b] : nibble(zeros + col * zero_row, b);
+  };
+  p.symmetric = true;
+  for (int64_t col = 0; zeros && col < n && p.symmetric; ++col) {
+    for (int64_t b = 0; b < p.blocks && p.symmetric; ++b) p.symmetric = zero_of(col, b) == (1 << (bits - 1));
+  }
+  p.record = p.block_bytes() + 4 * kTile + (p.symmetric ? 0 : kTile);
+  p.data.assign(size_t(p.tiles * p.blocks * p.record), 0);
   const int chunks = block / 4;
   for (int64_t col = 0; col < n; ++col) {
     const int64_t t = col / kTile;
     const int c = int(col % kTile);
     for (int64_t b = 0; b < p.blocks; ++b) {
       const uint8_t* src = codes + (col * p.blocks + b) * row_bytes;
-      uint8_t* dst = p.codes.data() + (t * p.blocks + b) * p.block_bytes();
+      uint8_t* dst = const_cast<uint8_t*>(p.codes(t, b));
       for (int g = 0; g < chunks; ++g) {
         for (int i = 0; i < 4; ++i) {
           const int64_t at = int64_t(g) * 4 + i;
@@ -101,11 +107,8 @@ std::string pack(int bits, int block, int64_t k, int64_t n, const uint8_t* codes
           }
         }
       }
-      const size_t at = size_t((t * p.blocks + b) * kTile + c);
-      p.scales[at] = scales[col * p.blocks + b];
-      int zero = 1 << (bits - 1);
-      if (zeros) zero = bits == 8 ? zeros[col * zero_row + b] : nibble(zeros + col * zero_row, b);
-      p.zeros[at] = zero;
+      std::memcpy(dst + p.block_bytes() + 4 * c, scales + col * p.blocks + b, 4);
+      if (!p.symmetric) dst[p.block_bytes() + 4 * kTile + c] = uint8_t(zero_of(col, b));
     }
   }
   return "";
@@ -153,7 +156,8 @@ static void tiles_scalar(const Packed& w, const Activations& a, int64_t t0, int6
     for (int64_t m = 0; m < a.m; ++m) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t b = 0; b < w.blocks; ++b) {
-        const uint8_t* codes = w.codes.data() + (t * w.blocks + b) * w.block_bytes();
+        const uint8_t* codes = w.codes(t, b);
+        const float* scales = w.scales(t, b);
         const int8_t* q = a.q.data() + m * a.padded + b * w.block;
         const float sa = a.scale[size_t(m * a.blocks + b)];
         const int32_t suma = a.sum[size_t(m * a.blocks + b)];
@@ -166,9 +170,8 @@ static void tiles_scalar(const Packed& w, const Activations& a, int64_t t0, int6
               dot += code * q[g * 4 + i];
             }
           }
-          const size_t at = size_t((t * w.blocks + b) * kTile + c);
-          dot -= w.zeros[at] * suma;
-          const float s = w.scales[at] * sa;
+          dot -= (w.symmetric ? 1 << (w.bits - 1) : w.zeros(t, b)[c]) * suma;
+          const float s = scales[c] * sa;
           acc[c] = std::fma(float(dot), s, acc[c]);
         }
       }
@@ -194,26 +197,46 @@ static inline int32_t four_bytes(const int8_t* p) {
 }
 
 // One block's integer sums of R rows against a tile's 16 columns (two halves of 8): each weight load feeds R rows.
-// A row's integers do not depend on R (they are exact), so rows blocked by 4 equal rows taken alone.
-template <int R>
-__attribute__((target("avx2,fma"))) static inline void sums_avx2(int bits, const uint8_t* src, int chunks,
+// A row's integers are exact, so they do not depend on R or on how the codes were unpacked: rows blocked by four
+// equal rows taken alone. PACKED: 4-bit codes read as stored and split into nibbles in registers (few rows);
+// otherwise one byte per code (8-bit codes, or 4-bit codes unpacked once for many rows). C: chunks if fixed, else 0.
+template <int R, bool PACKED, int C>
+__attribute__((target("avx2,fma"))) static inline void sums_avx2(int bits, const uint8_t* src, int runtime_chunks,
                                                                  const int8_t* q, int64_t stride, __m256i* lo,
                                                                  __m256i* hi) {
+  const int chunks = C ? C : runtime_chunks;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
   if (bits == 4) {
     // code <= 15, |a| <= 127: a pair <= 3810, eight pairs summed in int16 <= 30480
+    const __m256i low = _mm256_set1_epi8(15);
     for (int g0 = 0; g0 < chunks; g0 += 8) {
       __m256i h0[R], h1[R];
       for (int r = 0; r < R; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
       const int g1 = std::min(chunks, g0 + 8);
-      for (int g = g0; g < g1; ++g) {
-        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64));
-        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32));
-        for (int r = 0; r < R; ++r) {
-          const __m256i av = _mm256_set1_epi32(four_bytes(q + r * stride + g * 4));
-          h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(w0, av));
-          h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(w1, av));
+      if (PACKED) {  // chunks 2j and 2j + 1 are the low and high nibbles of the same 64 bytes
+        for (int g = g0; g < g1; g += 2) {
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (g >> 1) * 64));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (g >> 1) * 64 + 32));
+          const __m256i l0 = _mm256_and_si256(v0, low), l1 = _mm256_and_si256(v1, low);
+          const __m256i u0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+          const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const __m256i a0 = _mm256_set1_epi32(four_bytes(q + r * stride + g * 4));
+            const __m256i a1 = _mm256_set1_epi32(four_bytes(q + r * stride + g * 4 + 4));
+            h0[r] = _mm256_add_epi16(h0[r], _mm256_add_epi16(_mm256_maddubs_epi16(l0, a0), _mm256_maddubs_epi16(u0, a1)));
+            h1[r] = _mm256_add_epi16(h1[r], _mm256_add_epi16(_mm256_maddubs_epi16(l1, a0), _mm256_maddubs_epi16(u1, a1)));
+          }
+        }
+      } else {
+        for (int g = g0; g < g1; ++g) {
+          const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64));
+          const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(src + g * 64 + 32));
+          for (int r = 0; r < R; ++r) {
+            const __m256i av = _mm256_set1_epi32(four_bytes(q + r * stride + g * 4));
+            h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(w0, av));
+            h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(w1, av));
+          }
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -238,24 +261,32 @@ __attribute__((target("avx2,fma"))) static inline void sums_avx2(int bits, const
 }
 
 // R rows of one block: sums, zero points, then acc = fma(float(sum), s_w * s_a, acc) per row.
-template <int R>
+template <int R, bool PACKED>
 __attribute__((target("avx2,fma"))) static inline void rows_avx2(const Packed& w, const Activations& a, int64_t t,
                                                                  int64_t b, const uint8_t* src, int64_t m,
                                                                  float* acc_rows) {
   __m256i lo[R], hi[R];
-  sums_avx2<R>(w.bits, src, w.block / 4, a.q.data() + m * a.padded + b * w.block, a.padded, lo, hi);
-  const size_t at = size_t((t * w.blocks + b) * kTile);
-  const __m256i z0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at));
-  const __m256i z1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zeros.data() + at + 8));
-  const __m256 s0 = _mm256_loadu_ps(w.scales.data() + at), s1 = _mm256_loadu_ps(w.scales.data() + at + 8);
+  const int8_t* q = a.q.data() + m * a.padded + b * w.block;
+  if (w.block == 32) {
+    sums_avx2<R, PACKED, 8>(w.bits, src, 8, q, a.padded, lo, hi);
+  } else {
+    sums_avx2<R, PACKED, 0>(w.bits, src, w.block / 4, q, a.padded, lo, hi);
+  }
+  const float* scales = w.scales(t, b);
+  const __m256 s0 = _mm256_loadu_ps(scales), s1 = _mm256_loadu_ps(scales + 8);
+  __m256i z0 = _mm256_setzero_si256(), z1 = z0;
+  if (!w.symmetric) {
+    z0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, b))));
+    z1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, b) + 8)));
+  }
+  // 8-bit sums are of code - 128: dot(code, a) = that + 128 sum(a)
+  const int32_t offset = (w.symmetric ? 1 << (w.bits - 1) : 0) - (w.bits == 8 ? 128 : 0);
   for (int r = 0; r < R; ++r) {
     const int32_t suma = a.sum[size_t((m + r) * a.blocks + b)];
-    __m256i zs0 = _mm256_mullo_epi32(z0, _mm256_set1_epi32(suma));
-    __m256i zs1 = _mm256_mullo_epi32(z1, _mm256_set1_epi32(suma));
-    if (w.bits == 8) {  // dot(code, a) = dot(code - 128, a) + 128 sum(a)
-      const __m256i back = _mm256_set1_epi32(128 * suma);
-      zs0 = _mm256_sub_epi32(zs0, back);
-      zs1 = _mm256_sub_epi32(zs1, back);
+    __m256i zs0 = _mm256_set1_epi32(offset * suma), zs1 = zs0;
+    if (!w.symmetric) {
+      zs0 = _mm256_add_epi32(zs0, _mm256_mullo_epi32(z0, _mm256_set1_epi32(suma)));
+      zs1 = _mm256_add_epi32(zs1, _mm256_mullo_epi32(z1, _mm256_set1_epi32(suma)));
     }
     const __m256 sa = _mm256_set1_ps(a.scale[size_t((m + r) * a.blocks + b)]);
     float* acc = acc_rows + (m + r) * kTile;
@@ -272,10 +303,15 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const Packed& w, cons
   const __m256i low = _mm256_set1_epi8(15);
   alignas(64) uint8_t unpacked[64 * 1024];  // one block's codes, one byte each (block <= 4096)
   std::vector<float> acc_rows(size_t(a.m) * kTile);
+  const bool in_registers = w.bits == 4 && a.m < 4;  // few rows: nibbles split where they are used
   for (int64_t t = t0; t < t1; ++t) {
     std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const uint8_t* codes = w.codes.data() + (t * w.blocks + b) * w.block_bytes();
+      const uint8_t* codes = w.codes(t, b);
+      if (in_registers) {
+        for (int64_t m = 0; m < a.m; ++m) rows_avx2<1, true>(w, a, t, b, codes, m, acc_rows.data());
+        continue;
+      }
       const uint8_t* src = codes;
       if (w.bits == 4) {  // the nibbles unpacked once, read by every row
         for (int j = 0; j < chunks / 2; ++j) {
@@ -289,8 +325,8 @@ __attribute__((target("avx2,fma"))) static void tiles_avx2(const Packed& w, cons
         src = unpacked;
       }
       int64_t m = 0;
-      for (; m + 4 <= a.m; m += 4) rows_avx2<4>(w, a, t, b, src, m, acc_rows.data());
-      for (; m < a.m; ++m) rows_avx2<1>(w, a, t, b, src, m, acc_rows.data());
+      for (; m + 4 <= a.m; m += 4) rows_avx2<4, false>(w, a, t, b, src, m, acc_rows.data());
+      for (; m < a.m; ++m) rows_avx2<1, false>(w, a, t, b, src, m, acc_rows.data());
     }
     store_tile(w, a.m, t, acc_rows.data(), y);
   }
@@ -312,9 +348,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) static 
       sums[r] = _mm512_dpbusd_epi32(sums[r], wv, _mm512_set1_epi32(four_bytes(q + r * a.padded + g * 4)));
     }
   }
-  const size_t at = size_t((t * w.blocks + b) * kTile);
-  const __m512i z = _mm512_loadu_si512(w.zeros.data() + at);
-  const __m512 s = _mm512_loadu_ps(w.scales.data() + at);
+  const __m512 s = _mm512_loadu_ps(w.scales(t, b));
+  const __m512i z = w.symmetric ? _mm512_set1_epi32(1 << (w.bits - 1))
+                                : _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros(t, b))));
   for (int r = 0; r < R; ++r) {
     const __m512i zs = _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[size_t((m + r) * a.blocks + b)]));
     const __m512 sa = _mm512_set1_ps(a.scale[size_t((m + r) * a.blocks + b)]);
@@ -333,7 +369,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) static 
   for (int64_t t = t0; t < t1; ++t) {
     std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const uint8_t* codes = w.codes.data() + (t * w.blocks + b) * w.block_bytes();
+      const uint8_t* codes = w.codes(t, b);
       const uint8_t* src = codes;
       if (w.bits == 4) {
         for (int j = 0; j < chunks / 2; ++j) {

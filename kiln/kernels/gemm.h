@@ -9,7 +9,8 @@
 //
 // Layout (`Packed`): 16 output columns form a tile; a tile's block holds block / 4 chunks of 64 bytes, byte c * 4 + t
 // of chunk g being column c's code for input 4 g + t (4-bit codes: chunks 2j and 2j + 1 share 64 bytes, low and high
-// nibble). Every tile's blocks follow each other, so one pass over a tile reads its weights once for all rows.
+// nibble), then the block's 16 scales and (asymmetric codes) 16 zero points: one record. Every tile's records
+// follow each other, so one pass over a tile reads its weights once for all rows, in one stream.
 #pragma once
 
 #include <cstddef>
@@ -31,10 +32,15 @@ bool parse_isa(const char* name, Isa* out);
 struct Packed {
   int bits = 4, block = 32;
   int64_t k = 0, n = 0, blocks = 0, tiles = 0;
-  std::vector<uint8_t> codes;    // tiles x blocks x (16 * block * bits / 8) bytes
-  std::vector<float> scales;     // tiles x blocks x 16
-  std::vector<int32_t> zeros;    // tiles x blocks x 16
+  bool symmetric = true;  // every zero point is 2^(bits - 1): none stored
+  int64_t record = 0;     // bytes of one tile's block: its codes, 16 float scales, (asym) 16 uint8 zero points
+  std::vector<uint8_t> data;  // tiles x blocks records, in the order a tile is read
   int64_t block_bytes() const { return int64_t(kTile) * block * bits / 8; }
+  const uint8_t* codes(int64_t t, int64_t b) const { return data.data() + (t * blocks + b) * record; }
+  const float* scales(int64_t t, int64_t b) const {
+    return reinterpret_cast<const float*>(codes(t, b) + block_bytes());
+  }
+  const uint8_t* zeros(int64_t t, int64_t b) const { return codes(t, b) + block_bytes() + 4 * kTile; }
 };
 
 // From ONNX Runtime's MatMulNBits layout: codes (N, blocks, block * bits / 8) low bits first along K, scales

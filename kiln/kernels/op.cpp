@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "gemm.h"
 #include "ort_api.h"
@@ -160,8 +161,10 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
                                           size_t((m + work.rows_per_task - 1) / work.rows_per_task), &work))
       return s;
   }
-  // a few tiles a task: enough tasks to balance the pool, each long enough to amortise its dispatch
-  work.tiles_per_task = std::max<int64_t>(1, std::min<int64_t>(8, p.tiles / 32));
+  // about four tasks a core: enough to balance the pool, each long enough to amortise its dispatch
+  static const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());  // reads /sys: once
+  const int64_t tasks = std::min<int64_t>(p.tiles, 4 * cores);
+  work.tiles_per_task = (p.tiles + tasks - 1) / tasks;
   return g_api.parallel_for(ctx, gemm_task, size_t((p.tiles + work.tiles_per_task - 1) / work.tiles_per_task), &work);
 }
 
