@@ -127,6 +127,9 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="kiln variants (default: all)")
     p.add_argument("--permuted", action="store_true", help="SmolLM2 with permuted channels (off the GGUF's grid)")
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--spin", action="store_true",
+                   help="decode timings with ONNX Runtime's pool threads spinning between runs, as kiln loads an "
+                        "artifact by default (the default here turns spinning off: several sessions share the cores)")
     args = p.parse_args()
 
     import reference_models
@@ -243,7 +246,7 @@ def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Pat
         # the same codes) with the library hidden, so the two kernels compare inside one run
         for label, hide in ((f"kiln {name}", False), (f"kiln {name} on MatMulNBits", True))[:1 + kiln_kernels]:
             with hidden_kernels(hide):
-                model = kr.load(arts[name], threads=args.threads, session_config=SESSION_CONFIG)
+                model = kr.load(arts[name], threads=args.threads, session_config={} if args.spin else SESSION_CONFIG)
 
             def run(ids, mask, n, model=model):
                 t = time.perf_counter()
@@ -272,7 +275,8 @@ def speed(args: argparse.Namespace, arts: dict[str, Path], ckpt: Path, work: Pat
             full, _ = systems[name](ids, mask, new)
             decode[name].append((new - 1) / max(full - first, 1e-9))
     med = {n: statistics.median(v) for n, v in decode.items()}
-    print(f"\ndecode, batch 1, prompt {prompt}, {new} new tokens, median of {args.rounds} alternating rounds")
+    print(f"\ndecode, batch 1, prompt {prompt}, {new} new tokens, median of {args.rounds} alternating rounds, kiln's pool "
+          f"threads {'spinning, kiln default' if args.spin else 'not spinning'}")
     print(f"{'system':<28} {'tok/s':>7} {'vs kiln fp32':>13} {'vs anchor':>10}")
     for name, v in med.items():
         vs = f"{v / med['optimum+ORT int4 (anchor)']:>9.2f}x" if anchor else f"{'-':>10}"

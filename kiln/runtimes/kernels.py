@@ -71,13 +71,20 @@ def available() -> bool:
     return library() is not None
 
 
-def graph_file(manifest: Any, graph: str, opts: ort.SessionOptions) -> tuple[Path, dict[str, Any] | None]:
+def graph_file(manifest: Any, graph: str, opts: ort.SessionOptions,
+               optimization: str = "all") -> tuple[Path, dict[str, Any] | None]:
     """The file of ``graph`` to load and what computes its kiln nodes: the library, registered on ``opts``, or the
-    fallback graph with ONNX Runtime's MatMulNBits. None when the artifact has no kiln nodes."""
+    fallback graph with ONNX Runtime's MatMulNBits. None when the artifact has no kiln nodes.
+
+    ``optimization`` "disabled" takes the fallback too: the kernel packs its weights when the session creates it,
+    from constants, and FP16 scales are constants only once the session has folded their Cast."""
     spec = manifest.data.get("kernels")
     if not spec:
         return manifest.graph_path(graph), None
     state = status()
+    if optimization == "disabled":
+        state = {"library": None, "reason": "graph optimisation disabled (kiln's kernel reads its scales as folded "
+                                            "constants)"}
     if state["library"] is not None:
         opts.register_custom_ops_library(state["library"])
         return manifest.graph_path(graph), {"op": spec["op"], "ran": f"kiln {state['isa']}"}

@@ -48,7 +48,7 @@ class OnnxRuntime(Runtime):
         }[self.optimization]
         for key, value in self.session_config.items():  # e.g. session.intra_op.allow_spinning
             opts.add_session_config_entry(key, value)
-        path, self.kernels = kernels.graph_file(manifest, graph, opts)
+        path, self.kernels = kernels.graph_file(manifest, graph, opts, self.optimization)
         providers = [(p, tensorrt_provider_options(manifest)) if p == "TensorrtExecutionProvider" else p
                      for p in self.providers]
         try:

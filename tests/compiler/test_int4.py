@@ -335,3 +335,12 @@ def test_kernels_onnxruntime_keeps_matmulnbits(tiny_llama, tmp_path):
     assert "kernels" not in m and not (out / "model.fallback.onnx").exists()
     assert all(n.domain == "com.microsoft" for n in onnx.load(str(out / "model.onnx")).graph.node
                if n.op_type == "MatMulNBits")
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kiln's kernel library is not built here")
+def test_kiln_kernels_without_graph_optimisation_take_the_fallback(int4_artifact):
+    _, out = int4_artifact
+    # (check=False: an INT4 artifact unoptimised computes another answer, kiln's kernel or not; the canary says so)
+    with kr.load(out, threads=1, optimization="disabled", check=False) as model:
+        assert model.backend["kernels"]["ran"] == "onnxruntime MatMulNBits"
+        assert "optimisation disabled" in model.backend["kernels"]["reason"]
