@@ -36,8 +36,11 @@ def session(model: onnx.ModelProto, threads: int | None = None, external_above: 
     changed). The file is gone once the session holds the weights."""
     import onnxruntime as ort
 
+    from kiln.runtimes import kernels
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or 0
+    kernels.register(opts)  # a graph on kiln's kernel (ai.kiln.MatMulNBits)
     store = weights.current()
     if store is not None:  # a streamed graph: its weights are references into files beside it, so it runs from there
         fd, name = tempfile.mkstemp(prefix="kiln-run-", suffix=".onnx", dir=store.base_dir)

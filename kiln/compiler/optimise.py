@@ -83,6 +83,10 @@ def optimise(path: Path, names: list[str], facts: ModelFacts, options: CompileOp
 def write_fallback(path: Path) -> None:
     """Beside the graph at ``path``: the same graph with ONNX Runtime's MatMulNBits in place of kiln's, for machines
     without kiln's kernel library. Weights in external data are shared (the same file, the same offsets)."""
+    data = path.with_name(path.name + ".data")
+    if not data.exists():  # a small graph held its weights: moved out, so the twin shares them instead of a copy
+        onnx.save_model(onnx.load(str(path)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
     model = onnx.load(str(path), load_external_data=False)
     fallback(model)
     onnx.save_model(model, str(path.parent / fallback_name(path.name)))

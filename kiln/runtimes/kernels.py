@@ -71,6 +71,22 @@ def available() -> bool:
     return library() is not None
 
 
+def register(opts: ort.SessionOptions) -> bool:
+    """Register the library on ``opts`` where it is available (for sessions over graphs kiln made itself, such as the
+    compiler's per-layer runs); whether it was."""
+    path = library()
+    if path is not None:
+        opts.register_custom_ops_library(str(path))
+    return path is not None
+
+
+def portable_graph(manifest: Any, graph: str = "model") -> Path:
+    """The file of ``graph`` that any ONNX Runtime runs: the fallback where the artifact computes with kiln's
+    kernel (Triton's ONNX Runtime backend, for one, cannot load kiln's library), else the graph itself."""
+    fallback = (manifest.data.get("kernels") or {}).get("fallback", {}).get(graph)
+    return manifest.root / fallback if fallback else manifest.graph_path(graph)
+
+
 def graph_file(manifest: Any, graph: str, opts: ort.SessionOptions,
                optimization: str = "all") -> tuple[Path, dict[str, Any] | None]:
     """The file of ``graph`` to load and what computes its kiln nodes: the library, registered on ``opts``, or the

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import UsageError
+from kiln.runtimes import kernels
 from kiln.runtimes.artifact import MANIFEST, Manifest, read_manifest
 
 DTYPES = {"int64": "TYPE_INT64", "int32": "TYPE_INT32", "float32": "TYPE_FP32", "float16": "TYPE_FP16",
@@ -40,7 +41,7 @@ def graph_io(manifest: Manifest) -> tuple[set[str], set[str]]:
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(manifest.graph_path()), opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(kernels.portable_graph(manifest)), opts, providers=["CPUExecutionProvider"])
     return {i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()}
 
 
@@ -142,6 +143,9 @@ def export(artifact: str | Path, out: str | Path, name: str | None = None, max_b
         version = staging / "1"
         version.mkdir()
         graph = manifest.graph_path()
+        # Triton's ONNX Runtime backend cannot load kiln's kernel library: it gets the artifact's portable graph
+        # (the same codes on ONNX Runtime's MatMulNBits), under the graph's own name, beside the same weights file
+        portable = kernels.portable_graph(manifest)
         if python:
             shutil.copy2(Path(__file__).with_name("triton_python.py"), version / "model.py")
             (version / "artifact").mkdir()
@@ -150,11 +154,12 @@ def export(artifact: str | Path, out: str | Path, name: str | None = None, max_b
                 _link_or_copy(manifest.root / rel, version / "artifact" / rel)
         for f in manifest.root.iterdir():
             if not python and f.name.startswith(graph.name):  # the graph and its external data
-                _link_or_copy(f, version / ("model.onnx" + f.name[len(graph.name):]))
+                source = portable if f.name == graph.name else f
+                _link_or_copy(source, version / ("model.onnx" + f.name[len(graph.name):]))
         kiln_dir = staging / "kiln"
         kiln_dir.mkdir()
         for rel in [MANIFEST, *manifest.data["files"]]:
-            if not rel.startswith(graph.name) and "/" not in rel:
+            if not rel.startswith(graph.name) and rel != portable.name and "/" not in rel:
                 shutil.copy2(manifest.root / rel, kiln_dir / rel)
         if target.exists():
             shutil.rmtree(target)

@@ -344,3 +344,16 @@ def test_kiln_kernels_without_graph_optimisation_take_the_fallback(int4_artifact
     with kr.load(out, threads=1, optimization="disabled", check=False) as model:
         assert model.backend["kernels"]["ran"] == "onnxruntime MatMulNBits"
         assert "optimisation disabled" in model.backend["kernels"]["reason"]
+
+
+def test_triton_export_of_a_kiln_kernel_artifact_is_portable(int4_artifact, tmp_path):
+    """Triton's ONNX Runtime backend cannot load kiln's library: the exported model.onnx is the fallback graph,
+    beside the same weights, and the clients' directory gets no graph."""
+    from kiln.serve.triton import export
+
+    _, out = int4_artifact
+    target = export(out, tmp_path / "repo", name="llama", graph_only=True)  # the ONNX Runtime backend, not Python
+    model = onnx.load(str(target / "1" / "model.onnx"), load_external_data=False)
+    assert (target / "1" / "model.onnx.data").is_file()  # the weights it names, beside it
+    assert {n.domain for n in model.graph.node if n.op_type == "MatMulNBits"} == {"com.microsoft"}
+    assert not any(p.name.endswith(".onnx") for p in (target / "kiln").iterdir())
