@@ -26,12 +26,11 @@ struct Kernel {
 
 struct Work {
   const Kernel* kernel;
-  const kiln::Activations* act;
+  kiln::Activations* act;  // quantized by quantize_task, read by gemm_task
   float* y;
   int64_t tiles_per_task;
   const float* x;
   int64_t rows_per_task;
-  kiln::Activations* quantized;
 };
 
 OrtStatus* fail(const std::string& message) { return g_api.status(("ai.kiln MatMulNBits: " + message).c_str()); }
@@ -120,8 +119,8 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, 
 
 void quantize_task(void* user, size_t i) {
   Work* w = static_cast<Work*>(user);
-  const int64_t m0 = int64_t(i) * w->rows_per_task, m1 = std::min(w->quantized->m, m0 + w->rows_per_task);
-  kiln::quantize_rows(w->x, m0, m1, w->kernel->w.k, w->kernel->w.block, w->quantized);
+  const int64_t m0 = int64_t(i) * w->rows_per_task, m1 = std::min(w->act->m, m0 + w->rows_per_task);
+  kiln::quantize_rows(w->x, m0, m1, w->kernel->w.k, w->kernel->w.block, w->act);
 }
 
 void gemm_task(void* user, size_t i) {
@@ -152,7 +151,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   if (m == 0) return nullptr;
   thread_local kiln::Activations act;  // one buffer per calling thread, reused across calls
   kiln::prepare(m, p.k, p.block, p.blocks, &act);
-  Work work{kernel, &act, static_cast<float*>(y), 1, static_cast<const float*>(x), 1, &act};
+  Work work{kernel, &act, static_cast<float*>(y), 1, static_cast<const float*>(x), 1};
   if (m * p.k <= (int64_t(1) << 16)) {  // decode rows: quantized here, a pool dispatch costs more than the work
     kiln::quantize_rows(work.x, 0, m, p.k, p.block, &act);
   } else {

@@ -29,9 +29,14 @@ FORCE_ISA = "KILN_KERNEL_ISA"
 ISAS = ("scalar", "avx2", "avx512vnni")
 
 
+def hidden() -> bool:
+    """``KILN_KERNELS=0`` (or false / no / off) is set."""
+    return os.environ.get(HIDE, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def library() -> Path | None:
     """The built library, or None (not built here, or hidden by ``KILN_KERNELS=0``)."""
-    if os.environ.get(HIDE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if hidden():
         return None
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
@@ -45,10 +50,8 @@ def status() -> dict[str, Any]:
     """What this machine runs: {"library": path or None, "isa": the path kernels take, "reason": why none}."""
     path = library()
     if path is None:
-        hidden = os.environ.get(HIDE) is not None and os.environ.get(HIDE, "").strip().lower() in (
-            "0", "false", "no", "off")
         return {"library": None, "isa": None,
-                "reason": f"{HIDE}=0" if hidden else "kiln's kernel library was not built with this install "
+                "reason": f"{HIDE}=0" if hidden() else "kiln's kernel library was not built with this install "
                                                      "(no C++ compiler, or not x86-64)"}
     lib = ctypes.CDLL(str(path))
     lib.kiln_kernel_isa.restype = ctypes.c_char_p
