@@ -30,13 +30,18 @@ bool isa_supported(Isa isa);
 bool parse_isa(const char* name, Isa* out);
 
 struct Packed {
+  Packed() = default;
+  Packed(const Packed&) = delete;  // `base` points into `storage`: a copy would point into the original
+  Packed& operator=(const Packed&) = delete;
   int bits = 4, block = 32;
   int64_t k = 0, n = 0, blocks = 0, tiles = 0;
   bool symmetric = true;  // every zero point is 2^(bits - 1): none stored
   int64_t record = 0;     // bytes of one tile's block: its codes, 16 float scales, (asym) 16 uint8 zero points
-  std::vector<uint8_t> data;  // tiles x blocks records, in the order a tile is read
+  std::vector<uint8_t> storage;  // tiles x blocks records, in the order a tile is read, from `base`
+  uint8_t* base = nullptr;       // the first record: 64-byte aligned (records of symmetric codes fill whole lines)
   int64_t block_bytes() const { return int64_t(kTile) * block * bits / 8; }
-  const uint8_t* codes(int64_t t, int64_t b) const { return data.data() + (t * blocks + b) * record; }
+  int64_t bytes() const { return tiles * blocks * record; }
+  const uint8_t* codes(int64_t t, int64_t b) const { return base + (t * blocks + b) * record; }
   const float* scales(int64_t t, int64_t b) const {
     return reinterpret_cast<const float*>(codes(t, b) + block_bytes());
   }
