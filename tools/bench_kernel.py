@@ -1,8 +1,12 @@
-"""kiln's low-bit kernel alone against ONNX Runtime's MatMulNBits, the same codes, one run, side by side.
+"""kiln's low-bit kernel alone against ONNX Runtime's MatMulNBits (the same codes) and llama.cpp's own matmul, one
+run, side by side.
 
 For each weight shape of SmolLM2-135M and a 1.1B Llama (TinyLlama) and each row count M (decode rows 1-16, prefill
-64 and 512): the median time of one MatMul on each kernel, the ratio, the kernel's weight bandwidth, and M rows
-against one row. The roof is this machine's memory bandwidth, measured here with a STREAM-style copy (numpy, 256 MB
+64 and 512): the median time of one MatMul on each kernel, the ratios, the kernel's weight bandwidth, and M rows
+against one row. llama.cpp: ``ggml_mul_mat`` on ggml's CPU backend (``tools/ggml_matmul.cpp``, built against the
+llama.cpp ``tools/llama_cpp.py build`` made; skipped with one line where it is not built), its nearest format (Q4_0
+for kiln's 4-bit group 32; Q8_0, group 32, for the 8-bit head at group 64), the weights in its repacked buffer
+where it has one for the type and ISA (as llama.cpp loads a model). The roof is this machine's memory bandwidth, measured here with a STREAM-style copy (numpy, 256 MB
 each way). Prints the CPU line first.
 
 Decode rows are timed as a model meets its weights: from memory, not from the cache. Their graph holds as many copies
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +34,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_cpp  # noqa: E402
 from kiln.passes.codes import pack, rtn  # noqa: E402
 from kiln.runtimes import kernels  # noqa: E402
 from kiln.runtimes.canary import cpu_name, isa  # noqa: E402
@@ -102,6 +110,15 @@ def timed(s: ort.InferenceSession, x: np.ndarray, budget: float) -> float:
     return statistics.median(times)
 
 
+def ggml_time(tool: Path, bits: int, k: int, n: int, m: int, copies: int, threads: int, budget: float) -> tuple[float, str]:
+    """llama.cpp's seconds for one matmul of M rows (its nearest type to kiln's format) and where its weights went."""
+    kind = "q4_0" if bits == 4 else "q8_0"
+    out = subprocess.run([str(tool), kind, str(k), str(n), str(m), str(copies), str(threads), str(budget)],
+                         capture_output=True, text=True, check=True)
+    seconds, where = out.stdout.split()
+    return float(seconds), f"{kind} {where}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -114,9 +131,13 @@ def main() -> int:
     roof = copy_bandwidth()
     print(f"machine: {cpu_name()} ({isa()}), onnxruntime {ort.__version__}, kiln kernel {state['isa']}, "
           f"threads {args.threads}; copy bandwidth {roof:.1f} GB/s; last-level cache {last_level_cache() >> 20} MiB")
-    print("| model | weight | K x N | bits | M | kiln us | MatMulNBits us | speedup | kiln GB/s (of roof) | "
-          "kiln M rows / 1 row | MatMulNBits M / 1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    tool = llama_cpp.matmul_tool()
+    if tool is None:
+        print(f"llama.cpp: skipped, not built in {llama_cpp.home()} (python tools/llama_cpp.py build)")
+    print("| model | weight | K x N | bits | M | kiln us | MatMulNBits us | vs MatMulNBits | llama.cpp us | "
+          "vs llama.cpp | kiln GB/s (of roof) | kiln M rows / 1 row | MatMulNBits M / 1 | llama.cpp M / 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    formats: set[str] = set()
     budget = 0.1 if args.quick else 0.4
     cache = last_level_cache()
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,12 +158,23 @@ def main() -> int:
                         x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
                         times[kind][m] = timed(s, x, budget) / per
                     del s
+            if tool is not None:
+                times["ggml"] = {}
+                for m in ROWS:
+                    times["ggml"][m], where = ggml_time(tool, bits, k, n, m, copies if m <= 16 else 1, args.threads,
+                                                        budget)
+                    formats.add(where)
             for m in ROWS:
                 a, b = times["kiln"][m], times["ms"][m]
+                c = times.get("ggml", {}).get(m)
                 gbs = nbytes / a / 1e9
+                theirs = f"{c * 1e6:.0f} | {c / a:.2f}x" if c else "- | -"
+                ratio = f"{c / times['ggml'][1]:.2f}x" if c else "-"
                 print(f"| {model} | {name} | {k} x {n} | {bits} | {m} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x | "
-                      f"{gbs:.1f} ({gbs / roof:.0%}) | {a / times['kiln'][1]:.2f}x | {b / times['ms'][1]:.2f}x |",
-                      flush=True)
+                      f"{theirs} | {gbs:.1f} ({gbs / roof:.0%}) | {a / times['kiln'][1]:.2f}x | "
+                      f"{b / times['ms'][1]:.2f}x | {ratio} |", flush=True)
+    if formats:
+        print(f"llama.cpp formats (type, weight buffer): {', '.join(sorted(formats))}")
     return 0
 
 

@@ -75,6 +75,27 @@ def build(log=print) -> dict[str, Path]:
     return binaries()
 
 
+MATMUL = Path(__file__).with_name("ggml_matmul.cpp")
+"""llama.cpp's own matmul alone (ggml's CPU backend, llama.cpp's weight buffers), for tools/bench_kernel.py."""
+
+
+def matmul_tool() -> Path | None:
+    """``tools/ggml_matmul.cpp`` built against the llama.cpp ``build`` made (once, beside its tools), or None where
+    llama.cpp is not built."""
+    root = home()
+    libs = root / "bin"
+    headers = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/ggml/include"))
+    if binaries() is None or not headers:
+        return None
+    out = libs / "kiln-ggml-matmul"
+    if not out.is_file() or out.stat().st_mtime < MATMUL.stat().st_mtime:
+        staged = out.with_suffix(".tmp")
+        subprocess.run(["g++", "-O2", "-std=c++17", f"-I{headers[-1]}", str(MATMUL), f"-L{libs}", "-lggml",
+                        "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{libs}", "-o", str(staged)], check=True)
+        staged.replace(out)
+    return out
+
+
 def run(tool: str, *args: str) -> str:
     tools = binaries()
     if tools is None:

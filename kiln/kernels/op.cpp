@@ -11,8 +11,15 @@
 #include <string>
 #include <thread>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "gemm.h"
 #include "ort_api.h"
+
+#ifndef MADV_PAGEOUT
+#define MADV_PAGEOUT 21  // Linux 5.4; older kernels refuse it (EINVAL) and the pages stay
+#endif
 
 namespace {
 
@@ -76,6 +83,17 @@ OrtStatus* constant(const OrtKernelInfo* info, size_t index, ONNXTensorElementDa
   return nullptr;
 }
 
+// The source pages of weights the kernel has packed, out of this process's resident set: ONNX Runtime maps an
+// artifact's weights file, and packing read every page of it; kept, the weights would be resident twice. The advice
+// keeps what a later read sees (a file-backed page is read again from the file; memory ONNX Runtime allocated is
+// swapped out or, without swap, left alone), so it is safe whoever else reads the initializer. Whole pages only.
+void release_pages(const void* p, int64_t bytes) {
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes)) / page * page;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_PAGEOUT);
+}
+
 OrtStatus* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
   int64_t k = 0, n = 0, bits = 0, block = 0;
   for (auto [name, dst] : {std::pair<const char*, int64_t*>{"K", &k}, {"N", &n}, {"bits", &bits},
@@ -113,6 +131,8 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, 
   std::string why = kiln::pack(int(bits), int(block), k, n, static_cast<const uint8_t*>(codes),
                                static_cast<const float*>(scales), static_cast<const uint8_t*>(zeros), &kernel->w);
   if (!why.empty()) return fail(why);
+  release_pages(codes, n * blocks * block * bits / 8);
+  release_pages(scales, n * blocks * 4);
   *out = kernel.release();
   return nullptr;
 }

@@ -153,6 +153,49 @@ def test_threads_do_not_change_the_answer(tmp_path):
     assert np.array_equal(one, two)
 
 
+def resident_kib(path: Path) -> int | None:
+    """KiB of ``path`` this process has resident through its mappings (None: not mapped)."""
+    total, inside = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+            inside = len(fields) > 5 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total = (total or 0) + int(fields[1])
+    return total
+
+
+@built
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the process's mappings (Linux)")
+def test_packed_weights_are_not_resident_twice(tmp_path):
+    """ONNX Runtime maps the weights file; packing reads all of it. The kernel hands the source pages back, so the
+    session holds the weights once (its packed copy), not twice: the mapped file is almost entirely not resident."""
+    import platform
+
+    if tuple(int(v) for v in platform.release().split(".")[:2]) < (5, 4):
+        pytest.skip("MADV_PAGEOUT needs Linux 5.4")
+    k, n = 1024, 1024
+    q = rtn(np.random.default_rng(5).standard_normal((k, n)).astype(np.float32), 4, 32)
+    codes = pack(q.codes, 4).reshape(n, -1, 16)
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="ai.kiln", K=k, N=n, bits=4, block_size=32,
+                            accuracy_level=4)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, n])],
+                          [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(q.scales, "S")])
+    path = tmp_path / "big.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.kiln", 1)]),
+              str(path), save_as_external_data=True, location="big.onnx.data")
+    s = session(path)
+    data = (tmp_path / "big.onnx.data").resolve()
+    resident = resident_kib(data)
+    if resident is None:
+        pytest.skip("this ONNX Runtime reads the weights file into its own memory instead of mapping it")
+    weights = (codes.nbytes + q.scales.nbytes) // 1024
+    assert resident <= weights // 10, f"{resident} of the weights' {weights} KiB still resident after packing"
+    y = s.run(None, {"A": np.ones((1, k), np.float32)})[0]  # the kernel never reads the source again
+    assert np.isfinite(y).all() and resident_kib(data) <= weights // 10
+
+
 @built
 def test_refuses_weights_it_cannot_pack(tmp_path):
     """B fed at run time (not an initializer): the session refuses at load with the op's own message."""
