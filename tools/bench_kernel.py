@@ -71,23 +71,27 @@ def last_level_cache() -> int:
     return max(sizes, default=32 << 20)
 
 
-def graph(path: Path, k: int, n: int, bits: int, domain: str, copies: int = 1) -> int:
-    """``copies`` MatMulNBits nodes of the same codes in their own initializers, each reading A; returns one copy's
-    bytes (codes and scales)."""
+def weights(k: int, n: int, bits: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A (K, N) weight's MatMulNBits codes (N, blocks, bytes), scales and block size in the default INT4 recipe's
+    format for ``bits``."""
     block = 64 if bits == 8 else 32
-    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
-    q = rtn(w, bits, block)
-    codes = pack(q.codes, bits).reshape(n, -1, block * bits // 8)
+    q = rtn(np.random.default_rng(0).standard_normal((k, n)).astype(np.float32), bits, block)
+    return pack(q.codes, bits).reshape(n, -1, block * bits // 8), q.scales, block
+
+
+def graph(path: Path, codes: np.ndarray, scales: np.ndarray, k: int, bits: int, block: int, domain: str,
+          copies: int = 1) -> None:
+    """``copies`` MatMulNBits nodes of the same codes in their own initializers, each reading A."""
+    n = codes.shape[0]
     nodes, inits, outs = [], [], []
     for i in range(copies):
         nodes.append(helper.make_node("MatMulNBits", ["A", f"B{i}", f"S{i}"], [f"Y{i}"], domain=domain, K=k, N=n,
                                       bits=bits, block_size=block, accuracy_level=4))
-        inits += [numpy_helper.from_array(codes, f"B{i}"), numpy_helper.from_array(q.scales, f"S{i}")]
+        inits += [numpy_helper.from_array(codes, f"B{i}"), numpy_helper.from_array(scales, f"S{i}")]
         outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", n]))
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])], outs, inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
     onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
-    return codes.nbytes + q.scales.nbytes
 
 
 def session(path: Path, threads: int, library: bool) -> ort.InferenceSession:
@@ -142,14 +146,14 @@ def main() -> int:
     cache = last_level_cache()
     with tempfile.TemporaryDirectory() as tmp:
         for model, name, k, n, bits in SHAPES:
+            codes, scales, block = weights(k, n, bits)
+            nbytes = codes.nbytes + scales.nbytes
+            copies = max(1, min(1024, -(-3 * cache // nbytes)))
             times: dict[str, dict[int, float]] = {}
-            nbytes = 0
             for kind, domain in (("kiln", "ai.kiln"), ("ms", "com.microsoft")):
-                one = Path(tmp) / f"{kind}{k}_{n}.onnx"
-                nbytes = graph(one, k, n, bits, domain)
-                copies = max(1, min(1024, -(-3 * cache // nbytes)))
-                cold = Path(tmp) / f"{kind}{k}_{n}_cold.onnx"
-                graph(cold, k, n, bits, domain, copies)
+                one, cold = Path(tmp) / f"{kind}{k}_{n}.onnx", Path(tmp) / f"{kind}{k}_{n}_cold.onnx"
+                graph(one, codes, scales, k, bits, block, domain)
+                graph(cold, codes, scales, k, bits, block, domain, copies)
                 times[kind] = {}
                 for path, rows, per in ((cold, [m for m in ROWS if m <= 16], copies),
                                         (one, [m for m in ROWS if m > 16], 1)):

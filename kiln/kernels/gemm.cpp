@@ -329,7 +329,6 @@ __attribute__((target("avx2,fma"))) static inline void rows_avx2(const Packed& w
 
 // Decode's path: all R (< 4) rows of tiles [t0, t1), accumulators in registers, 4-bit nibbles split in registers,
 // the records kAhead bytes on prefetched.
-
 template <int R>
 __attribute__((target("avx2,fma"))) static void few_rows_avx2(const Packed& w, const Activations& a, int64_t t0,
                                                                int64_t t1, float* y) {
@@ -351,12 +350,12 @@ __attribute__((target("avx2,fma"))) static void few_rows_avx2(const Packed& w, c
 
 __attribute__((target("avx2,fma"))) static void tiles_avx2(const Packed& w, const Activations& a, int64_t t0,
                                                             int64_t t1, float* y) {
-  const int chunks = w.block / 4;
-  const __m256i low = _mm256_set1_epi8(15);
-  alignas(64) uint8_t unpacked[64 * 1024];  // one block's codes, one byte each (block <= 4096)
   if (a.m == 1) return few_rows_avx2<1>(w, a, t0, t1, y);
   if (a.m == 2) return few_rows_avx2<2>(w, a, t0, t1, y);
   if (a.m == 3) return few_rows_avx2<3>(w, a, t0, t1, y);
+  const int chunks = w.block / 4;
+  const __m256i low = _mm256_set1_epi8(15);
+  alignas(64) uint8_t unpacked[64 * 1024];  // one block's codes, one byte each (block <= 4096)
   std::vector<float> acc_rows(size_t(a.m) * kTile);
   for (int64_t t = t0; t < t1; ++t) {
     std::fill(acc_rows.begin(), acc_rows.end(), 0.0f);
