@@ -6,6 +6,9 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test (CI has 2 cores; 0 runs the suite in one process). A module's tests stay on one
+# worker (--dist loadscope), so its fixtures are built once; the session's artifacts are shared (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 ANCHOR_VENV ?= .venv-anchor
 
@@ -23,7 +26,7 @@ demo: $(STAMP)
 	$(PY) tools/demo.py
 
 test: $(STAMP) typecheck docs
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # the documentation site (mkdocs.yml -> site/), offline, warnings as errors; part of make test
 docs: $(STAMP)

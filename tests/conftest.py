@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 import sys
 import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ CORPUS = [
 VOCAB = 128
 # tests/test_fuzz.py draws fresh examples from this seed each run; KILN_FUZZ_SEED=N replays one
 FUZZ_SEED = int(os.environ.get("KILN_FUZZ_SEED") or secrets.randbelow(2 ** 32))
+os.environ["KILN_FUZZ_SEED"] = str(FUZZ_SEED)  # pytest-xdist's workers inherit it: one seed for the whole run
 
 
 def pytest_report_header(config):
@@ -185,10 +188,44 @@ FAMILY_HEADS = [
 ]
 
 
+class Shared(Mapping[str, Path]):
+    """Directories built on first use, once for the whole run: ``make test``'s two pytest-xdist workers share
+    ``root``, the first to ask for a name builds it under a lock file, and the other waits and reads it; a worker
+    builds only what its tests ask for. Tests only read what is here."""
+
+    def __init__(self, root: Path, names: list[str], build: Callable[[str, Path], Path]) -> None:
+        self.root, self.names, self.build = root, names, build
+        root.mkdir(parents=True, exist_ok=True)
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.names:
+            raise KeyError(name)
+        out, done = self.root / name, self.root / f".{name}.built"
+        if not done.exists():
+            with open(self.root / f".{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not done.exists():
+                    assert self.build(name, out) == out
+                    done.touch()
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """The run's temporary root, which every xdist worker's own root is under (without xdist: pytest's root)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ckpt")
-    return {f: save_checkpoint(root / f, f, h) for f, h in FAMILY_HEADS}
+def checkpoints(tmp_path_factory) -> Mapping[str, Path]:
+    heads = dict(FAMILY_HEADS)
+    return Shared(shared_root(tmp_path_factory) / "ckpt", list(heads), lambda f, out: save_checkpoint(out, f, heads[f]))
 
 
 def packed_codes(artifact: Path) -> list[bytes]:
@@ -216,20 +253,22 @@ SEQ2SEQ = [("t5", "text2text"), ("bart", "text2text"), ("marian", "text2text")]
 
 
 @pytest.fixture(scope="session")
-def seq2seq_artifacts(tmp_path_factory) -> dict[str, Path]:
+def seq2seq_artifacts(tmp_path_factory) -> Mapping[str, Path]:
     from kiln.compiler import compile
 
-    root = tmp_path_factory.mktemp("s2s")
-    return {f: compile(save_checkpoint(root / f"{f}-ckpt", f, h), root / f, fast_options()) for f, h in SEQ2SEQ}
+    heads = dict(SEQ2SEQ)
+    root = shared_root(tmp_path_factory) / "s2s"
+    return Shared(root, list(heads), lambda f, out: compile(save_checkpoint(root / f"{f}-ckpt", f, heads[f]), out,
+                                                            fast_options()))
 
 
 @pytest.fixture(scope="session")
-def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
-    """Every family compiled once with verification on; tests only read these."""
+def artifacts(checkpoints, tmp_path_factory) -> Mapping[str, Path]:
+    """Every family compiled with verification on, once for the run, when a test first asks for it."""
     from kiln.compiler import compile
 
-    root = tmp_path_factory.mktemp("art")
-    return {f: compile(ckpt, root / f, fast_options()) for f, ckpt in checkpoints.items()}
+    return Shared(shared_root(tmp_path_factory) / "art", list(checkpoints),
+                  lambda f, out: compile(checkpoints[f], out, fast_options()))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,10 @@ of the weight (one node each, the same input) as fill three times the last-level
 MatMul's time is the run's over the copies; the threads spin between nodes as in a model (one session at a time, so
 no other pool competes). Prefill rows are compute-bound and take a one-node graph.
 
+"floor M / 1": the least M rows can cost against one row here, whatever the kernel: one row's measured time, or the
+M rows' multiply-adds at this CPU's int8 multiply ceiling (``tools/int8_peak.cpp``: the instruction kiln's kernel is
+built on, operands in registers, on every thread; vpmaddubsw + vpaddw on AVX2, vpdpbusd with VNNI), if longer.
+
     .venv/bin/python tools/bench_kernel.py [--threads 2] [--quick]
 """
 
@@ -123,6 +127,25 @@ def ggml_time(tool: Path, bits: int, k: int, n: int, m: int, copies: int, thread
     return float(seconds), f"{kind} {where}"
 
 
+def int8_ceiling(kernel_isa: str, threads: int) -> float | None:
+    """GMAC/s of ``tools/int8_peak.cpp`` on ``threads`` threads (best of three), or None without a C++ compiler or
+    on the scalar path."""
+    if kernel_isa == "scalar":
+        return None
+    source = Path(__file__).resolve().parent / "int8_peak.cpp"
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "int8_peak"
+        try:
+            subprocess.run(["g++", "-O2", "-std=c++17", str(source), "-o", str(exe), "-lpthread"], check=True,
+                           capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        variant = "avx512vnni" if kernel_isa.startswith("avx512") else "avx2"
+        runs = [subprocess.run([str(exe), variant, str(threads)], capture_output=True, text=True, check=True)
+                for _ in range(3)]
+        return max(float(r.stdout.split()[0]) for r in runs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -135,12 +158,15 @@ def main() -> int:
     roof = copy_bandwidth()
     print(f"machine: {cpu_name()} ({isa()}), onnxruntime {ort.__version__}, kiln kernel {state['isa']}, "
           f"threads {args.threads}; copy bandwidth {roof:.1f} GB/s; last-level cache {last_level_cache() >> 20} MiB")
+    ceiling = int8_ceiling(state["isa"], args.threads)
+    print(f"int8 multiply ceiling ({'vpdpbusd' if state['isa'].startswith('avx512') else 'vpmaddubsw + vpaddw'}, "
+          f"{args.threads} threads): " + (f"{ceiling:.0f} GMAC/s" if ceiling else "not measured (no g++, or the scalar path)"))
     tool = llama_cpp.matmul_tool()
     if tool is None:
         print(f"llama.cpp: skipped, not built in {llama_cpp.home()} (python tools/llama_cpp.py build)")
     print("| model | weight | K x N | bits | M | kiln us | MatMulNBits us | vs MatMulNBits | llama.cpp us | "
-          "vs llama.cpp | kiln GB/s (of roof) | kiln M rows / 1 row | MatMulNBits M / 1 | llama.cpp M / 1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs llama.cpp | kiln GB/s (of roof) | kiln M rows / 1 row | floor M / 1 | MatMulNBits M / 1 | llama.cpp M / 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     formats: set[str] = set()
     budget = 0.1 if args.quick else 0.4
     cache = last_level_cache()
@@ -174,8 +200,10 @@ def main() -> int:
                 gbs = nbytes / a / 1e9
                 theirs = f"{c * 1e6:.0f} | {c / a:.2f}x" if c else "- | -"
                 ratio = f"{c / times['ggml'][1]:.2f}x" if c else "-"
+                one = times["kiln"][1]
+                floor = f"{max(one, m * k * n / (ceiling * 1e9)) / one:.2f}x" if ceiling else "-"
                 print(f"| {model} | {name} | {k} x {n} | {bits} | {m} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x | "
-                      f"{theirs} | {gbs:.1f} ({gbs / roof:.0%}) | {a / times['kiln'][1]:.2f}x | "
+                      f"{theirs} | {gbs:.1f} ({gbs / roof:.0%}) | {a / one:.2f}x | {floor} | "
                       f"{b / times['ms'][1]:.2f}x | {ratio} |", flush=True)
     if formats:
         print(f"llama.cpp formats (type, weight buffer): {', '.join(sorted(formats))}")

@@ -5,12 +5,13 @@ child processes; each compile's time and peak RSS next to the bound the issue se
 decode at batch 1 (64-token prompt, 64 new tokens, greedy), and the peak RSS of load + generate against its files.
 
     python tools/bench_scale.py [--only 1.1b|8b] [--threads 2] [--work DIR] [--variants fp32,int4]
-                                [--llama-cpp LLAMA_CPP_SOURCE]
+                                [--llama-cpp LLAMA_CPP_SOURCE [--gguf Q4_K_M,Q5_K_M]] [--keep | --reuse]
 
 ``int4`` is the default INT4 method (GPTQ, calibrated on the default text through SmolLM2's tokenizer, which the
 checkpoints get: its vocabulary is the 1.1B shape's). With ``--llama-cpp`` (a llama.cpp source tree with
 ``build/bin/llama-bench`` and ``llama-quantize``; see docs/streaming.md) the 1.1B checkpoint is also
-converted (``convert_hf_to_gguf.py``, F16; it needs ``sentencepiece``), quantized to Q4_K_M, and decoded with
+converted (``convert_hf_to_gguf.py``, F16; it needs ``sentencepiece``), quantized to each ``--gguf`` type (Q4_K_M
+and Q5_K_M by default: the second is the one the size of kiln's default INT4 artifact), and decoded with
 ``llama-bench -p 64 -n 64 -d 64`` in the same run; the GGUF files are cached beside the checkpoints.
 
 The checkpoints' weights lie on the INT4 group-32 grid (see scale_checkpoints.py): the numbers are memory and
@@ -111,24 +112,25 @@ def peak_step(log: Path) -> str | None:
     return steps[max(0, i - 1)][1][:80]
 
 
-def llama_cpp(source: Path, ckpt: Path, threads: int) -> dict:
-    """llama.cpp's Q4_K_M of ``ckpt``: converted and quantized once (cached), then ``llama-bench``'s decode."""
+def llama_cpp(source: Path, ckpt: Path, threads: int, kind: str = "Q4_K_M") -> dict:
+    """llama.cpp's ``kind`` (a llama-quantize type) of ``ckpt``: converted and quantized once (cached), then
+    ``llama-bench``'s decode."""
     gguf_dir = scale_checkpoints.cache_dir() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)
-    f16, q4 = gguf_dir / f"{ckpt.name}-f16.gguf", gguf_dir / f"{ckpt.name}-q4_k_m.gguf"
+    f16, quantized = gguf_dir / f"{ckpt.name}-f16.gguf", gguf_dir / f"{ckpt.name}-{kind.lower()}.gguf"
     bins = source / "build" / "bin"
-    if not q4.exists():
+    if not quantized.exists():
         if not f16.exists():
             env = dict(__import__("os").environ, PYTHONPATH=str(source / "gguf-py"))
             subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(ckpt), "--outtype", "f16",
                             "--outfile", str(f16)], check=True, env=env, capture_output=True)
-        subprocess.run([str(bins / "llama-quantize"), str(f16), str(q4), "Q4_K_M", str(threads)], check=True,
+        subprocess.run([str(bins / "llama-quantize"), str(f16), str(quantized), kind, str(threads)], check=True,
                        capture_output=True)
-    out = subprocess.run([str(bins / "llama-bench"), "-m", str(q4), "-p", "64", "-n", "64", "-d", "64",
+    out = subprocess.run([str(bins / "llama-bench"), "-m", str(quantized), "-p", "64", "-n", "64", "-d", "64",
                           "-t", str(threads), "-o", "json"], check=True, capture_output=True, text=True)
     runs = json.loads(out.stdout)
     tg = next(r for r in runs if r["n_gen"] > 0)
-    return {"tok_s": tg["avg_ts"], "gib": q4.stat().st_size / GIB, "build": runs[0].get("build_commit")}
+    return {"kind": kind, "tok_s": tg["avg_ts"], "bytes": quantized.stat().st_size, "build": runs[0].get("build_commit")}
 
 
 def main() -> int:
@@ -139,7 +141,12 @@ def main() -> int:
     ap.add_argument("--variants", default=None, help="comma-separated (default: fp32,int8,int4-rtn,int4 at 1.1B; "
                                                      "int4-rtn,int4 at 8B)")
     ap.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp source tree, built (1.1B Q4_K_M decode)")
+    ap.add_argument("--gguf", default="Q4_K_M,Q5_K_M",
+                    help="llama.cpp quantization types to decode beside kiln's INT4 (comma-separated; the table marks "
+                         "the one nearest in size to kiln's artifact)")
     ap.add_argument("--keep", action="store_true", help="keep the artifacts (default: removed after measuring)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="measure an artifact already in --work (kept by an earlier --keep run) instead of compiling")
     args = ap.parse_args()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512", "avx2", "amx"))}) \
         if Path("/proc/cpuinfo").exists() else []
@@ -152,12 +159,15 @@ def main() -> int:
         variants = args.variants.split(",") if args.variants else DEFAULT_VARIANTS[shape]
         for v in variants:
             out = args.work / f"{shape}-{v}"
-            shutil.rmtree(out, ignore_errors=True)
-            cmd = [*KILN, "compile", str(ckpt), "-o", str(out), "--max-length", "512", "--threads", str(args.threads),
-                   *VARIANTS[v]]
-            code, seconds, rss = measured(cmd, args.work / f"{shape}-{v}.log")
+            if args.reuse and (out / "manifest.json").is_file():
+                code, seconds, rss = 0, float("nan"), 0  # compiled by an earlier run: its time and RSS are in that log
+            else:
+                shutil.rmtree(out, ignore_errors=True)
+                cmd = [*KILN, "compile", str(ckpt), "-o", str(out), "--max-length", "512", "--threads",
+                       str(args.threads), *VARIANTS[v]]
+                code, seconds, rss = measured(cmd, args.work / f"{shape}-{v}.log")
             row = {"model": shape, "variant": v, "exit": code, "minutes": seconds / 60, "peak_rss_gib": rss / GIB,
-                   "peak_step": peak_step(args.work / f"{shape}-{v}.log")}
+                   "peak_step": peak_step(args.work / f"{shape}-{v}.log") if rss else None}
             if code == 0:
                 size = files_bytes(out)
                 row["artifact_gib"] = size / GIB
@@ -165,7 +175,8 @@ def main() -> int:
                 d = decode(out, args.threads)
                 row.update({"decode_tok_s": d.get("tok_s"), "runtime_rss_gib": d.get("rss", 0) / GIB,
                             "runtime_rss_over_files": d.get("rss", 0) / size if "rss" in d else None})
-                if not args.keep:
+                row["artifact_bytes"] = size
+                if not (args.keep or args.reuse):
                     shutil.rmtree(out, ignore_errors=True)
             else:
                 row["error"] = (args.work / f"{shape}-{v}.log").read_text().strip().splitlines()[-1:]
@@ -190,12 +201,19 @@ def main() -> int:
     if fp32 and int4 and fp32.get("decode_tok_s") and int4.get("decode_tok_s"):
         print(f"1.1B decode INT4 (default) / FP32: {int4['decode_tok_s'] / fp32['decode_tok_s']:.2f}x (target 2.5x)")
     if args.llama_cpp and (args.only is None or "1.1b" in args.only):
-        q4 = llama_cpp(args.llama_cpp, scale_checkpoints.make("1.1b"), args.threads)
-        print(f"llama.cpp {q4['build']} Q4_K_M of the 1.1B checkpoint ({q4['gib']:.2f} GiB): "
-              f"llama-bench -p 64 -n 64 -d 64 -t {args.threads}: {q4['tok_s']:.1f} tok/s decode")
-        if int4 and int4.get("decode_tok_s"):
-            print(f"1.1B decode kiln INT4 (default) / llama.cpp Q4_K_M: {int4['decode_tok_s'] / q4['tok_s']:.2f}x "
-                  "(target 1.2x)")
+        ggufs = [llama_cpp(args.llama_cpp, scale_checkpoints.make("1.1b"), args.threads, k)
+                 for k in args.gguf.split(",")]
+        same = min(ggufs, key=lambda g: abs(g["bytes"] - int4["artifact_bytes"])) if int4 else None
+        if int4:
+            print(f"kiln INT4 (default) of the 1.1B checkpoint: {int4['artifact_bytes'] / 1e6:.1f} MB, "
+                  f"{int4['decode_tok_s']:.1f} tok/s decode")
+        for g in ggufs:
+            line = (f"llama.cpp {g['build']} {g['kind']} of the 1.1B checkpoint ({g['bytes'] / 1e6:.1f} MB): "
+                    f"llama-bench -p 64 -n 64 -d 64 -t {args.threads}: {g['tok_s']:.1f} tok/s decode")
+            if int4 and int4.get("decode_tok_s"):
+                line += (f"; kiln INT4 / {g['kind']}: {int4['decode_tok_s'] / g['tok_s']:.2f}x"
+                         + (" (the same-size GGUF; target 1.2x)" if g is same else ""))
+            print(line)
     return 0
 
 

