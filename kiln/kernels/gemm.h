@@ -62,7 +62,8 @@ struct Activations {
   std::vector<int32_t> sum;    // m x blocks
 };
 
-void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t k, int block, Activations* a);
+// Rows [m0, m1) of x into a: the same codes on every path (`isa` picks only how they are computed).
+void quantize_rows(Isa isa, const float* x, int64_t m0, int64_t m1, int64_t k, int block, Activations* a);
 void prepare(int64_t m, int64_t k, int block, int64_t blocks, Activations* a);
 
 // Rows [0, a.m) of tiles [t0, t1) into y (M, N).

@@ -140,7 +140,7 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, 
 void quantize_task(void* user, size_t i) {
   Work* w = static_cast<Work*>(user);
   const int64_t m0 = int64_t(i) * w->rows_per_task, m1 = std::min(w->act->m, m0 + w->rows_per_task);
-  kiln::quantize_rows(w->x, m0, m1, w->kernel->w.k, w->kernel->w.block, w->act);
+  kiln::quantize_rows(w->kernel->isa, w->x, m0, m1, w->kernel->w.k, w->kernel->w.block, w->act);
 }
 
 void gemm_task(void* user, size_t i) {
@@ -173,7 +173,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* ctx) {
   kiln::prepare(m, p.k, p.block, p.blocks, &act);
   Work work{kernel, &act, static_cast<float*>(y), 1, static_cast<const float*>(x), 1};
   if (m * p.k <= (int64_t(1) << 16)) {  // decode rows: quantized here, a pool dispatch costs more than the work
-    kiln::quantize_rows(work.x, 0, m, p.k, p.block, &act);
+    kiln::quantize_rows(kernel->isa, work.x, 0, m, p.k, p.block, &act);
   } else {
     work.rows_per_task = std::max<int64_t>(1, m / 8);
     if (OrtStatus* s = g_api.parallel_for(ctx, quantize_task,
