@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -200,10 +199,11 @@ class Shared(Mapping[str, Path]):
     def __getitem__(self, name: str) -> Path:
         if name not in self.names:
             raise KeyError(name)
+        import reference_models  # tools/: its lock, which the reference models are built under too
+
         out, done = self.root / name, self.root / f".{name}.built"
         if not done.exists():
-            with open(self.root / f".{name}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with reference_models.building(out):
                 if not done.exists():
                     assert self.build(name, out) == out
                     done.touch()

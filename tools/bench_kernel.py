@@ -200,10 +200,10 @@ def main() -> int:
                 gbs = nbytes / a / 1e9
                 theirs = f"{c * 1e6:.0f} | {c / a:.2f}x" if c else "- | -"
                 ratio = f"{c / times['ggml'][1]:.2f}x" if c else "-"
-                one = times["kiln"][1]
-                floor = f"{max(one, m * k * n / (ceiling * 1e9)) / one:.2f}x" if ceiling else "-"
+                t1 = times["kiln"][1]
+                floor = f"{max(t1, m * k * n / (ceiling * 1e9)) / t1:.2f}x" if ceiling else "-"
                 print(f"| {model} | {name} | {k} x {n} | {bits} | {m} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f}x | "
-                      f"{theirs} | {gbs:.1f} ({gbs / roof:.0%}) | {a / one:.2f}x | {floor} | "
+                      f"{theirs} | {gbs:.1f} ({gbs / roof:.0%}) | {a / t1:.2f}x | {floor} | "
                       f"{b / times['ms'][1]:.2f}x | {ratio} |", flush=True)
     if formats:
         print(f"llama.cpp formats (type, weight buffer): {', '.join(sorted(formats))}")

@@ -180,12 +180,7 @@ __attribute__((target("avx2,fma"))) static void quantize_block32_avx2(const floa
 #endif
 
 void quantize_rows(Isa isa, const float* x, int64_t m0, int64_t m1, int64_t k, int block, Activations* a) {
-#ifdef KILN_X86
-  const bool wide = isa != Isa::scalar && block == 32;
-#else
-  (void)isa;
-  const bool wide = false;
-#endif
+  (void)isa;  // only x86 has a second form
   for (int64_t m = m0; m < m1; ++m) {
     const float* row = x + m * k;
     int8_t* q = a->q.data() + m * a->padded;
@@ -194,7 +189,7 @@ void quantize_rows(Isa isa, const float* x, int64_t m0, int64_t m1, int64_t k, i
       float* scale = &a->scale[size_t(m * a->blocks + b)];
       int32_t* sum = &a->sum[size_t(m * a->blocks + b)];
 #ifdef KILN_X86
-      if (wide && hi - lo == 32) {
+      if (isa != Isa::scalar && hi - lo == 32) {
         quantize_block32_avx2(row + lo, q + lo, scale, sum);
         continue;
       }
