@@ -41,11 +41,12 @@ class DropIdentity(Pass):
 
 class Breaks(Pass):
     name = "breaks"
+    says_modified = True
 
     def run(self, model):
         model = onnx.ModelProto.FromString(model.SerializeToString())
         model.graph.node[0].input[0] = "nowhere"
-        return PassResult(model, True)
+        return PassResult(model, self.says_modified)
 
 
 def test_pass_fires_and_records_stats():
@@ -83,3 +84,27 @@ def test_unknown_disable_name():
 def test_broken_graph_names_the_pass_and_those_before():
     with pytest.raises(PassError, match="pass breaks failed after drop-identity.*--disable-pass breaks"):
         run_passes(identity_chain(2), [DropIdentity(), Breaks()])
+
+
+class BreaksQuietly(Breaks):
+    """Breaks the graph and says it changed nothing (a planted contract bug)."""
+
+    name = "breaks-quietly"
+    says_modified = False
+
+
+def test_the_checker_runs_when_the_graph_changed_whatever_the_pass_says(monkeypatch):
+    """A pass that changed nothing is not checked again (the checker reads the graph: seconds on a 135M model, for
+    each of a dozen passes with nothing to rewrite); one that changed it is, even when it claims otherwise."""
+    import kiln.passes.base as base
+
+    checked = []
+    real = base._check
+    monkeypatch.setattr(base, "_check", lambda m: (checked.append(len(m.graph.node)), real(m)))
+    once, _ = run_passes(identity_chain(3), [DropIdentity()])
+    assert checked == [1]
+    run_passes(once, [DropIdentity()])  # nothing left to drop
+    assert checked == [1]
+    with pytest.raises(PassError, match="pass breaks-quietly failed"):
+        run_passes(identity_chain(1), [BreaksQuietly()])
+    assert checked[-1] == 2
