@@ -302,6 +302,7 @@ def test_a_quantized_graph_that_rounds_too_much_names_the_higher_tier():
     assert "--quant-method gptq, or --precision int8" in remedy(exact, int4)
     assert "at FP32 with --max-drop top1=0.95" in remedy({"passed": False}, int8)
     assert "tighten --max-drop" in remedy(exact, CompileOptions(precision="int4", max_drop="top1=0.9"))
+    assert "at FP32 with --max-drop cosine=0.99" in remedy({"passed": False}, int8, "encoder")  # what encoders measure
     assert remedy({"passed": False, "codes": {"passed": False}}, int4) == ""
     assert remedy({"passed": False, "codes": {"passed": True}, "generation": {"passed": False}}, int4) == ""
     assert remedy({"passed": False}, CompileOptions()) == ""

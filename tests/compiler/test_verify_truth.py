@@ -56,6 +56,28 @@ def test_top1_without_a_decisive_position_is_absent():
     assert metrics.top1(tied, tied, 1e-4)["agreement"] is None
 
 
+def test_a_quantized_classification_head_is_judged_on_its_label_probabilities():
+    """Two labels' logits near zero: an INT8 error of 0.05 sends their row cosine to 0.96 while no probability moves
+    by more than 0.02, and every decision holds: it passes. A planted error that moves a probability by 0.2 fails,
+    naming it; a decoder's wide logits are still judged by their row cosine."""
+    int8 = TOLERANCES["int8"]
+    ref = np.array([[0.20, 0.10], [4.0, -3.0], [-2.0, 2.5]], np.float32)  # (batch, labels)
+    near = ref + np.array([[-0.05, 0.04], [0.03, 0.0], [0.0, -0.02]], np.float32)
+    out = compare_output("logits", ref, near, None, int8)
+    assert metrics.row_cosines(ref, near).min() < 0.98  # the old criterion would refuse it
+    assert out["passed"] and out["prob_max_abs"] < 0.03 and out["cosine_bound"] is None
+    planted = ref.copy()
+    planted[1] = [1.0, 0.2]  # decisive row still right, but its probability falls from ~1 to 0.69
+    bad = compare_output("logits", ref, planted, None, int8)
+    assert bad["passed"] is False and bad["prob_max_abs"] > 0.2
+    assert "a label probability moved by" in failures({"passed": False, "cases": [
+        {"name": "text[0]", "outputs": {"logits": bad}}]})[0]
+    wide = np.random.default_rng(0).normal(size=(1, 4, 1000)).astype(np.float32)
+    assert compare_output("logits", wide, wide * 0.5 + 0.3, None, int8)["cosine_bound"] == int8.min_cosine
+    narrow_tokens = np.zeros((1, 4, 10), np.float32)  # per position (a decoder's, or a token classifier's): cosine
+    assert compare_output("logits", narrow_tokens + 1, narrow_tokens + 1, None, int8)["cosine_bound"] == int8.min_cosine
+
+
 def test_summary_reports_only_what_some_case_measured():
     results = [{"outputs": {"logits": {"passed": None, "compared": 0}}}]
     assert summarize(results) == {"logits": {"compared": 0, "passed": True}}

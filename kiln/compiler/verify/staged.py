@@ -88,14 +88,16 @@ def numerics_graph(root: Path, precision: str) -> tuple[Path, dict[str, Any]]:
                  "how": f"FP32 kernels with every {dtype} value rounded to {dtype} where it is produced", "why": why}
 
 
-def remedy(report: dict[str, Any], options: CompileOptions) -> str:
+def remedy(report: dict[str, Any], options: CompileOptions, kind: str = "decoder") -> str:
     """The fix to name when a quantized graph misses its bound against FP32 while it computes what was rounded
     (the codes check passed, or there is none; the generation check, run only after parity, did not fail): the
     rounding itself costs this model too much, and a higher tier for its most sensitive weights is the remedy."""
     if options.precision not in ("int8", "int4") or not (report.get("codes") or {}).get("passed", True) \
             or "generation" in report:
         return ""
-    budget = "tighten --max-drop" if options.max_drop else "--max-drop top1=0.95"
+    # a budget the model's kind measures (an encoder's is its pooled cosine; --max-drop refuses the others)
+    budget = "tighten --max-drop" if options.max_drop else "--max-drop cosine=0.99" if kind == "encoder" else \
+        "--max-drop top1=0.95"
     up = "INT8" if options.precision == "int4" else "FP32"
     other = "--quant-method gptq, or --precision int8" if options.precision == "int4" else "--precision fp16"
     return (f"; the rounding itself costs this model more than {options.precision.upper()}'s bound: keep its most "
@@ -195,7 +197,7 @@ def verify_artifact(ckpt: Checkpoint, root: Path, data: dict[str, Any], options:
         problems = failures(report)
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ParityError(f"parity check failed for {ckpt.path}: {'; '.join(problems[:3])}{more}; "
-                          f"no artifact written, full report in {kept}{remedy(report, options)}")
+                          f"no artifact written, full report in {kept}{remedy(report, options, ckpt.kind)}")
     summary = cost_and_gain(data["passes"], report)
     if summary:
         report["quantization"] = summary
