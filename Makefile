@@ -17,7 +17,7 @@ ANCHOR_VENV ?= .venv-anchor
 $(STAMP): pyproject.toml setup.py Makefile $(wildcard kiln/kernels/*.cpp kiln/kernels/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,serve,dev,docs]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[compile,serve,eval,dev,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)

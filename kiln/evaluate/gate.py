@@ -31,6 +31,22 @@ THRESHOLDS: dict[str, tuple[str, str, str]] = {
     "max_latency_regression_pct": ("latency_regression_pct", "max", "p50 latency regression vs baseline (%)"),
 }
 
+# Task metrics (``kiln report --eval``), per evaluation set: the artifact's value, its drop against the reference
+# checkpoint (absolute, and in % of the reference's value). Metric keys read "task:METRIC:FIELD".
+TASK_METRICS = {"accuracy": "accuracy", "f1": "f1_macro", "exact_match": "exact_match", "bleu": "bleu",
+                "chrf": "chrf", "rouge1": "rouge1", "rouge2": "rouge2", "rouge_l": "rouge_l"}
+for _short, _metric in TASK_METRICS.items():
+    THRESHOLDS[f"min_{_short}"] = (f"task:{_metric}:value", "min", _metric)
+    THRESHOLDS[f"max_{_short}_drop"] = (f"task:{_metric}:drop", "max", f"{_metric} drop")
+    THRESHOLDS[f"max_{_short}_drop_pct"] = (f"task:{_metric}:drop_pct", "max", f"{_metric} drop (%)")
+THRESHOLDS["max_perplexity"] = ("task:perplexity:value", "max", "perplexity")
+THRESHOLDS["max_perplexity_increase"] = ("task:perplexity:drop", "max", "perplexity increase")
+THRESHOLDS["max_perplexity_increase_pct"] = ("task:perplexity:drop_pct", "max", "perplexity increase (%)")
+
+GATE_ON = ("value", "upper")
+"""How task thresholds read a measurement: its value, or the pessimistic end of its bootstrap interval ("upper":
+a drop's upper bound, a minimum's lower bound, a maximum's upper bound)."""
+
 
 def _toml() -> Any:
     """tomllib (Python 3.11+) or its backport tomli, declared for 3.10 in pyproject.toml."""
@@ -142,11 +158,12 @@ def _table(path: Path, data: dict[str, Any]) -> dict[str, Any] | None:
     return data.get("gate", data.get("tool", {}).get("kiln", {}).get("gate"))
 
 
-def load_thresholds(config: str | Path | None, flags: dict[str, float | None], cwd: Path | None = None) -> dict[str, float]:
-    """Merge thresholds: pyproject.toml, then kiln.toml or ``config``, then flags (later wins)."""
+def load_thresholds(config: str | Path | None, flags: dict[str, Any], cwd: Path | None = None) -> dict[str, Any]:
+    """Merge thresholds: pyproject.toml, then kiln.toml or ``config``, then flags (later wins). Numbers, and
+    ``gate_on`` ("value" or "upper") where task thresholds should read their intervals' pessimistic end."""
     cwd = cwd or Path.cwd()
     files = [cwd / "pyproject.toml", Path(config) if config else cwd / "kiln.toml"]
-    merged: dict[str, float] = {}
+    merged: dict[str, Any] = {}
     for f in files:
         if not f.is_file():
             if config and f == Path(config):
@@ -164,24 +181,73 @@ def load_thresholds(config: str | Path | None, flags: dict[str, float | None], c
         if not isinstance(table, dict):
             raise GateInputError(f"{f}: the gate table is not a table of thresholds")
         for key, value in table.items():
+            if key == "gate_on":
+                if value not in GATE_ON:
+                    raise GateInputError(f"{f}: gate_on = {value!r}; give \"value\" or \"upper\"")
+                merged[key] = value
+                continue
             if key not in THRESHOLDS:
                 raise GateInputError(f"{f}: unknown threshold {key!r}; known: {', '.join(THRESHOLDS)}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise GateInputError(f"{f}: threshold {key} = {value!r} is not a finite number")
             merged[key] = float(value)
     for key, value in flags.items():
+        if key == "gate_on":
+            if value is not None and value not in GATE_ON:
+                raise GateInputError(f"--gate-on {value}: give value or upper")
+            continue
         if value is not None and not math.isfinite(value):
             raise GateInputError(f"--{key.replace('_', '-')} {value}: give a finite number")
-    merged.update({k: float(v) for k, v in flags.items() if v is not None})
-    if not merged:
+    merged.update({k: (v if k == "gate_on" else float(v)) for k, v in flags.items() if v is not None})
+    if not any(k != "gate_on" for k in merged):
         raise GateInputError("no thresholds: add a [gate] table to kiln.toml (or [tool.kiln.gate] to pyproject.toml), "
                              "pass --config FILE, or give flags such as --min-top1-agreement 0.99")
     return merged
 
 
-def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dict[str, Any] | None = None,
+def applies(key: str, entry: dict[str, Any]) -> bool:
+    """Whether threshold ``key`` has something to read in a report entry (a task threshold: some set has its metric)."""
+    metric = THRESHOLDS[key][0]
+    if metric.startswith("task:"):
+        return any(metric.split(":")[1] in (t.get("metrics") or {}) for t in tasks_of(entry))
+    return metric in entry.get("metrics", {})
+
+
+def tasks_of(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    found = entry.get("tasks") or []
+    return [t for t in found if isinstance(t, dict) and isinstance(t.get("metrics"), dict)] if isinstance(found, list) else []
+
+
+def task_reading(measured: dict[str, Any], field: str, kind: str, gate_on: str, where: str) -> float:
+    """The number a task threshold compares: the field, or its interval's pessimistic end with gate_on = upper."""
+    if field == "drop_pct":
+        ref, drop = measured.get("reference"), measured.get("drop")
+        if not number(ref) or not number(drop) or ref == 0:
+            raise GateInputError(f"{where} has no usable reference value for a relative drop; regenerate it with kiln report")
+        if gate_on == "upper":
+            drop = _bound(measured, "drop_interval", 1, where)
+        return 100.0 * drop / abs(ref)
+    value = measured.get(field)
+    if gate_on == "upper":
+        value = _bound(measured, "drop_interval" if field == "drop" else "interval",
+                       1 if field == "drop" or kind == "max" else 0, where)
+    if not number(value):
+        raise GateInputError(f"{where}: {field} is {json.dumps(value)[:40]}, not a finite number; regenerate the report "
+                             "with kiln report")
+    return float(value)
+
+
+def _bound(measured: dict[str, Any], key: str, end: int, where: str) -> float:
+    interval = measured.get(key)
+    if not isinstance(interval, list) or len(interval) != 2 or not all(number(v) for v in interval):
+        raise GateInputError(f"{where} has no bootstrap {key} for gate_on = \"upper\"; regenerate it with kiln report")
+    return float(interval[end])
+
+
+def evaluate(report: dict[str, Any], thresholds: dict[str, Any], baseline: dict[str, Any] | None = None,
              report_path: str = "report") -> list[Check]:
     values = dict(report["metrics"])
+    gate_on = thresholds.get("gate_on", "value")
     if baseline is not None:
         base, now = baseline["latency"].get("p50_ms"), report["latency"].get("p50_ms")
         if not number(base) or not number(now) or base <= 0:
@@ -189,7 +255,23 @@ def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dic
         values["latency_regression_pct"] = 100.0 * (now / base - 1.0)
     checks = []
     for key, threshold in thresholds.items():
+        if key == "gate_on":
+            continue
         metric, kind, label = THRESHOLDS[key]
+        if metric.startswith("task:"):
+            _, name, field = metric.split(":")
+            found = [t for t in tasks_of(report) if name in t["metrics"]]
+            if not found:
+                raise GateInputError(f"{report_path} has no evaluation set measuring {name} (needed by {key}); run kiln "
+                                     "report with --eval on such a set, or remove the threshold")
+            for t in found:
+                where = f"{report_path}: {t.get('name', 'an evaluation set')}"
+                if not isinstance(t["metrics"][name], dict):
+                    raise GateInputError(f"{where}: {name} is not a measurement; regenerate the report with kiln report")
+                reading = task_reading(t["metrics"][name], field, kind, gate_on, where)
+                bound = " (interval bound)" if gate_on == "upper" else ""
+                checks.append(Check(key, f"{label}{bound}, {str(t.get('name', '?'))[:40]}", threshold, reading, kind))
+            continue
         if metric == "latency_regression_pct" and baseline is None:
             raise GateInputError(f"{key} compares against a baseline; pass --baseline LAST_RELEASE/report.json")
         value = values.get(metric)
@@ -207,9 +289,9 @@ def evaluate(report: dict[str, Any], thresholds: dict[str, float], baseline: dic
 def table(checks: list[Check]) -> str:
     from kiln.evaluate.fmt import metric
 
-    lines = [f"{'metric':<40} {'threshold':>12} {'value':>12}  verdict"]
+    lines = [f"{'metric':<60} {'threshold':>12} {'value':>12}  verdict"]
     for c in checks:
         key = THRESHOLDS[c.name][0]
         bound = ("<= " if c.kind == "max" else ">= ") + metric(key, c.threshold)
-        lines.append(f"{c.label:<40} {bound:>12} {metric(key, c.value):>12}  {'pass' if c.passed else 'FAIL'}")
+        lines.append(f"{c.label:<60} {bound:>12} {metric(key, c.value):>12}  {'pass' if c.passed else 'FAIL'}")
     return "\n".join(lines)

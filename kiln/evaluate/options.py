@@ -32,3 +32,13 @@ class ReportOptions:
     threads: int | None = None
     backend: str = "onnxruntime"
     """kiln.runtimes.BACKENDS; ``auto`` picks one and report.json's measured_on records which and why."""
+    evals: tuple[str, ...] = ()
+    """Labelled JSONL sets scored with task metrics (kiln.evaluate.tasks), the reference beside each artifact."""
+    eval_task: str | None = None
+    """The task of every --eval set, where its fields do not say it (summarization: source + reference)."""
+    eval_examples: int = 1000
+    """Examples used from each --eval set."""
+    eval_new_tokens: int = 32
+    """Tokens generated per example for exact match, translation and summaries."""
+    eval_chat: bool = False
+    """Decoders: each --eval prompt goes through the artifact's chat template as one user message."""

@@ -61,7 +61,43 @@ def verdict_cell(entry: dict[str, Any]) -> str:
     if v["passed"]:
         return "pass"
     bad = [c for c in v["checks"] if not c["passed"]]
-    return "FAIL: " + "; ".join(f"{LABELS.get(c['metric'], c['metric'])} {_limit(c)}" for c in bad)
+    return "FAIL: " + "; ".join(f"{c['label'] if c['metric'].startswith('task:') else LABELS.get(c['metric'], c['metric'])} "
+                                f"{_limit(c)}" for c in bad)
+
+
+def task_cell(measured: dict[str, Any]) -> str:
+    """An artifact's task metric with its drop against the reference and the drop's interval: 0.9125 (drop +0.0042,
+    95% [-0.0083, +0.0167])."""
+    lo, hi = measured["drop_interval"]
+    return f"{number(measured['value'])} (drop {measured['drop']:+.4g}, 95% [{lo:+.4g}, {hi:+.4g}])"
+
+
+def task_columns(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(set name, metric, column label) of every task metric the first artifact was measured on."""
+    return [(t["name"], k, f"{k} ({t['name']})") for t in result["artifacts"][0].get("tasks", [])
+            for k in t["metrics"]]
+
+
+def _task(entry: dict[str, Any], name: str, key: str) -> str:
+    for t in entry.get("tasks", []):
+        if t["name"] == name and key in t["metrics"]:
+            return task_cell(t["metrics"][key])
+    return "-"
+
+
+def task_rows(entry: dict[str, Any]) -> list[list[str]]:
+    """One row per task metric: set, task, examples, artifact, reference, drop, its interval."""
+    rows = []
+    for t in entry.get("tasks", []):
+        for k, m in t["metrics"].items():
+            lo, hi = m["drop_interval"]
+            rows.append([t["name"], t["task"], str(t["examples"]), k, number(m["value"]), number(m["reference"]),
+                         f"{m['drop']:+.4g}" + (f" ({m['drop_pct']:+.2f}%)" if m.get("drop_pct") is not None else ""),
+                         f"[{lo:+.4g}, {hi:+.4g}]"])
+    return rows
+
+
+TASK_HEADER = ["set", "task", "examples", "metric", "artifact", "reference", "drop", "95% interval of the drop"]
 
 
 def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -69,13 +105,16 @@ def verdict_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     entries = result["artifacts"]
     kind = entries[0]["model"]["kind"]
     cols = KIND_COLUMNS.get(kind, [])
-    header = ["artifact", "precision", "size", "p50 latency", "speed-up", *[label for _, label in cols], "verdict"]
+    tasks = task_columns(result)
+    header = ["artifact", "precision", "size", "p50 latency", "speed-up", *[label for _, label in cols],
+              *[label for _, _, label in tasks], "verdict"]
     rows = []
     for e in entries:
         m = e["metrics"]
         rows.append([e["name"], str(e["model"].get("precision")),
                      size(e["size_bytes"]), f"{e['latency']['p50_ms']:.2f} ms", ratio(e["speedup_vs_first"]),
-                     *[metric(k, m[k]) if k in m else "-" for k, _ in cols], verdict_cell(e)])
+                     *[metric(k, m[k]) if k in m else "-" for k, _ in cols],
+                     *[_task(e, name, k) for name, k, _ in tasks], verdict_cell(e)])
     return header, rows
 
 
@@ -88,7 +127,8 @@ def _about(result: dict[str, Any]) -> list[str]:
              f"latency: {lat.get('what', 'one forward pass')}, batch {lat['shape'][0]} x {lat['shape'][1]} tokens, "
              f"{lat.get('rounds', 1)} alternating rounds; "
              f"speed-up against `{e0['name']}` (the first artifact), on {e0['measured_on']['backend']}",
-             ("thresholds: " + ", ".join(f"{k} = {v:g}" for k, v in th.items())) if th else
+             ("thresholds: " + ", ".join(f"{k} = {v:g}" if isinstance(v, float) else f"{k} = {v}" for k, v in th.items()))
+             if th else
              "thresholds: none found (kiln.toml [gate], pyproject.toml [tool.kiln.gate] or --config): no verdicts"]
     return lines
 
@@ -134,6 +174,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"## {e['name']} ({e['model'].get('precision')})", "", f"`{e['artifact']}`", "",
                   "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in _metric_rows(e)]
+        if e.get("tasks"):
+            lines += ["", "Task metrics (the reference checkpoint scored on the same examples; the drop is reference - "
+                      "artifact, perplexity artifact - reference; paired bootstrap interval):", "",
+                      "| " + " | ".join(TASK_HEADER) + " |", "|" + "---|" * len(TASK_HEADER)]
+            lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in task_rows(e)]
         lines += ["", "| output | max abs err | mean abs err | p99 abs err |", "|---|---|---|---|"]
         lines += [f"| {n} | {number(s['max_abs'])} | {number(s['mean_abs'])} | {number(s['p99_abs'])} |"
                   for n, s in e["outputs"].items()]
@@ -284,6 +329,10 @@ def _details(e: dict[str, Any]) -> str:
              _table(["output", "max abs err", "mean abs err", "p99 abs err"],
                     [[n, number(s["max_abs"]), number(s["mean_abs"]), number(s["p99_abs"])]
                      for n, s in e["outputs"].items()])]
+    if e.get("tasks"):
+        parts.append("<p>Task metrics: the reference checkpoint scored on the same examples; the drop is reference - "
+                     "artifact (perplexity: artifact - reference), with its paired bootstrap interval.</p>")
+        parts.append(_table(TASK_HEADER, task_rows(e)))
     if e.get("pruning"):
         parts.append(f"<p>{esc(pruned_line(e['pruning']))}</p>")
     if e.get("layers"):

@@ -31,6 +31,7 @@ from kiln.compiler.verify import metrics
 from kiln.compiler.verify.cases import make_feeds
 from kiln.compiler.verify.generation import greedy_config
 from kiln.errors import UsageError
+from kiln.evaluate import tasks
 from kiln.evaluate.options import ReportOptions
 from kiln.runtimes.base import prepare_feeds
 
@@ -103,12 +104,35 @@ class Reference:
         return self._greedy[key]
 
 
-def report(artifacts: str | Path | list[str | Path], reference: str | Path, data: str | Path, out: str | Path,
+class ReferenceScorer:
+    """The reference checkpoint as a task scorer (``kiln.evaluate.tasks.Scorer``): the same token ids as the
+    artifact's, greedy without a stop (the continuation is cut at a stop token afterwards, alike for both)."""
+
+    def __init__(self, ref: Reference, pad: int) -> None:
+        self.ref = ref
+        self.pad = pad
+
+    def classify(self, ids: list[int]) -> np.ndarray:
+        arr = np.asarray([ids], np.int64)
+        out = self.ref.outputs(ids, make_feeds(arr, np.ones_like(arr), self.ref.eager.input_names))
+        return np.asarray(out["logits"] if "logits" in out else next(iter(out.values()))).reshape(-1)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        return np.asarray(self.ref.outputs(ids, _feeds(ids))["logits"][0])
+
+    def generate(self, ids: list[int], new: int) -> list[int]:
+        if self.ref.ckpt.kind == "seq2seq":
+            return [int(t) for t in self.ref.seq2seq(ids, new, self.pad)[0][1:]]
+        return [int(t) for t in self.ref.greedy(ids, new, self.pad)]
+
+
+def report(artifacts: str | Path | list[str | Path], reference: str | Path, data: str | Path | None, out: str | Path,
            options: ReportOptions | None = None, progress: Progress | None = None,
            config: str | Path | None = None) -> dict[str, Any]:
-    """Measure each of ``artifacts`` (compiled from ``reference``) on ``data``, the reference run once and latency
-    timed in alternating rounds; judge each against the gate thresholds (``config``, ./kiln.toml, ./pyproject.toml)
-    and write report.json/.md/.html into ``out``."""
+    """Measure each of ``artifacts`` (compiled from ``reference``) on ``data`` (None: English sentences of the Python
+    docs) and on the labelled sets of ``options.evals``, the reference run once and latency timed in alternating
+    rounds; judge each against the gate thresholds (``config``, ./kiln.toml, ./pyproject.toml) and write
+    report.json/.md/.html into ``out``."""
     o = options or ReportOptions()
     paths = [Path(a) for a in ([artifacts] if isinstance(artifacts, (str, Path)) else artifacts)]
     if not paths:
@@ -129,21 +153,38 @@ def report(artifacts: str | Path | list[str | Path], reference: str | Path, data
             # is recorded beside the numbers
             models.append(kr.load(p, backend=o.backend, threads=o.threads, check=False))
             _check_pair(models[-1], p, ckpt, reference, models[0], paths[0])
-        texts = read_texts(str(data), role="--data")[:o.max_texts]
+        sets = [tasks.read_eval(path, o.eval_task, o.eval_examples) for path in o.evals]
+        for s in sets:
+            s.max_new_tokens, s.chat = o.eval_new_tokens, o.eval_chat
+            for p, model in zip(paths, models):
+                tasks.check_task(s, model.manifest.data, p)
+        texts = read_texts(None if data is None else str(data), role="--data")[:o.max_texts]
         limit = min(o.max_tokens, min(m.max_sequence_length for m in models))
         rows = [r for r in (models[0].text_encoder.encode_ids(t)[:limit] for t in texts) if len(r) >= 2]
         if not rows:
             raise UsageError(f"--data {data} has no text of two or more tokens for {paths[0]}'s tokenizer; give real text")
-        say(f"report: {len(paths)} artifact(s), {len(rows)} texts, {sum(map(len, rows))} tokens from {data}")
+        say(f"report: {len(paths)} artifact(s), {len(rows)} texts, {sum(map(len, rows))} tokens from "
+            f"{data or 'the built-in texts'}" + (f"; {len(sets)} evaluation set(s)" if sets else ""))
         ref = Reference(ckpt)
         entries = []
         errors: list[dict[str, list[np.ndarray]]] = []
         with torch_threads(o.threads):
+            text = tasks.text_of(models[0])
+            seq2seq = ckpt.kind == "seq2seq"
+            pad = int((models[0].manifest.data.get("generation") or {}).get("pad_token_id", 0))
+            scored = []
+            for s in sets:
+                say(f"report: {s.path.name}: {s.task}, {len(s.rows)} examples, the reference")
+                scored.append(tasks.run_set(ReferenceScorer(ref, pad), s, text, seq2seq))
             for p, model in zip(paths, models):
                 say(f"report: {p}")
                 errs: dict[str, list[np.ndarray]] = {}
                 entries.append(measure(p, model, ref, rows, errs, o.threads))
                 entries[-1]["canary"] = canary_verdict(model, o.threads, say)
+                if sets:
+                    scorer = tasks.ArtifactScorer(model)
+                    entries[-1]["tasks"] = [tasks.compare(tasks.run_set(scorer, s, text, seq2seq), r, s)
+                                            for s, r in zip(sets, scored)]
                 errors.append(errs)
         say(f"report: latency, {LATENCY_ROUNDS} alternating rounds")
         for entry, lat in zip(entries, latency_rounds(models, rows, o.latency_s)):
@@ -157,7 +198,8 @@ def report(artifacts: str | Path | list[str | Path], reference: str | Path, data
         entry["verdict"] = verdict(entry, thresholds)
     result: dict[str, Any] = {
         "schema": SCHEMA, "schema_version": REPORT_SCHEMA_VERSION, "reference": str(Path(reference).absolute()),
-        "data": {"path": str(Path(data).absolute()), "texts": len(rows), "tokens": int(sum(map(len, rows)))},
+        "data": {"path": "the Python docs' English sentences (built in)" if data is None else str(Path(data).absolute()),
+                 "texts": len(rows), "tokens": int(sum(map(len, rows)))},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "thresholds": thresholds,
         "speedup_baseline": entries[0]["artifact"], "artifacts": entries,
     }
@@ -244,12 +286,14 @@ def verdict(entry: dict[str, Any], thresholds: dict[str, float]) -> dict[str, An
     from kiln.evaluate import gate
 
     applicable = {k: v for k, v in thresholds.items()
-                  if gate.THRESHOLDS[k][0] in entry["metrics"] and k != "max_latency_regression_pct"}
+                  if k != "gate_on" and k != "max_latency_regression_pct" and gate.applies(k, entry)}
+    if applicable and "gate_on" in thresholds:
+        applicable["gate_on"] = thresholds["gate_on"]
     checks = gate.evaluate(entry, applicable) if applicable else []
     failing = [c.name for c in checks if not c.passed]
     return {"passed": (not failing) if checks else None, "failing": failing,
-            "checks": [{"threshold": c.name, "metric": gate.THRESHOLDS[c.name][0], "limit": c.threshold,
-                        "value": c.value, "passed": c.passed} for c in checks]}
+            "checks": [{"threshold": c.name, "metric": gate.THRESHOLDS[c.name][0], "label": c.label,
+                        "limit": c.threshold, "value": c.value, "passed": c.passed} for c in checks]}
 
 
 def _feeds(ids: list[int]) -> dict[str, np.ndarray]:

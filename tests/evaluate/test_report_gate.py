@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -27,20 +30,21 @@ def entry(report_dir, i: int = 0) -> dict:
     return json.loads((report_dir / "report.json").read_text())["artifacts"][i]
 
 
-def rtn_2bit(w: np.ndarray) -> np.ndarray:
-    """Round-to-nearest onto 4 levels per output column (min..max): a deliberately ruined weight."""
-    lo, hi = w.min(0), w.max(0)
+def rtn_2bit(w: np.ndarray, per_tensor: bool = False) -> np.ndarray:
+    """Round-to-nearest onto 4 levels per output column (min..max), or one set of 4 levels for the whole tensor: a
+    deliberately ruined weight."""
+    lo, hi = (w.min(), w.max()) if per_tensor else (w.min(0), w.max(0))
     scale = np.where(hi > lo, (hi - lo) / 3.0, 1.0)
     return (np.rint((w - lo) / scale) * scale + lo).astype(w.dtype)
 
 
-def degrade(artifact, out):
+def degrade(artifact, out, per_tensor: bool = False):
     shutil.copytree(artifact, out)
     model = onnx.load(str(out / "model.onnx"))
     for t in model.graph.initializer:
         w = numpy_helper.to_array(t)
         if w.ndim == 2 and w.dtype == np.float32 and min(w.shape) >= 32:
-            t.CopyFrom(numpy_helper.from_array(rtn_2bit(w), t.name))
+            t.CopyFrom(numpy_helper.from_array(rtn_2bit(w, per_tensor), t.name))
     onnx.save(model, str(out / "model.onnx"))
     manifest = json.loads((out / "manifest.json").read_text())
     manifest.pop("files")
@@ -174,7 +178,7 @@ def test_unusable_inputs_exit_2_with_a_clear_message(trained, tmp_path, monkeypa
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "other.json").write_text(json.dumps({"schema": "something-else", "metrics": {}}))
     (tmp_path / "bad.toml").write_text("[gate\nmin_top1_agreement = ")
-    (tmp_path / "unknown.toml").write_text("[gate]\nmin_accuracy = 0.9\n")
+    (tmp_path / "unknown.toml").write_text("[gate]\nmin_acuracy = 0.9\n")
     (tmp_path / "text.toml").write_text("[gate]\nmax_kl_mean = 'small'\n")
     (tmp_path / "nan.toml").write_text("[gate]\nmax_kl_mean = nan\n")  # NaN would fail every comparison silently
     (tmp_path / "empty.toml").write_text("[other]\nx = 1\n")
@@ -183,7 +187,7 @@ def test_unusable_inputs_exit_2_with_a_clear_message(trained, tmp_path, monkeypa
         (["gate", str(tmp_path / "other.json"), "--max-kl-mean", "1"], "is not a kiln report"),
         (["gate", str(tmp_path / "missing.json"), "--max-kl-mean", "1"], "does not exist"),
         (["gate", good, "--config", str(tmp_path / "bad.toml")], "is not valid TOML"),
-        (["gate", good, "--config", str(tmp_path / "unknown.toml")], "unknown threshold 'min_accuracy'"),
+        (["gate", good, "--config", str(tmp_path / "unknown.toml")], "unknown threshold 'min_acuracy'"),
         (["gate", good, "--config", str(tmp_path / "text.toml")], "is not a finite number"),
         (["gate", good, "--config", str(tmp_path / "nan.toml")], "max_kl_mean = nan is not a finite number"),
         (["gate", good, "--config", str(tmp_path / "empty.toml")], "has no [gate] table"),
@@ -381,3 +385,76 @@ def test_gate_still_reads_a_version_1_report_and_refuses_mixed_comparisons(train
     assert main(["report", str(trained["artifacts"]["fp32"]), str(artifacts["bert"]), "--reference",
                  str(trained["ckpt"]), "--data", str(trained["data"]), "-o", str(tmp_path / "r")]) == 2
     assert "compare artifacts of one reference" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def halves(line: str) -> tuple[str, str]:
+    """A line cut at the last space before its middle, past its indentation (the first half may be empty)."""
+    indent = len(line) - len(line.lstrip())
+    cut = line.rfind(" ", indent, len(line) // 2)
+    return (line[:cut], line[cut:].lstrip()) if cut > indent else ("", line)
+
+
+def cloze_set(ckpt, path, n: int = 48):
+    """Multiple choice over held-out standard-library code the model never trained on: a line's second half after
+    the two lines before it and its first half, against the same characters in other orders: the words reversed,
+    each word spelt backwards. A model that reads code tells them apart; a guess scores a third."""
+    lines = [line for line in (ckpt / "heldout.txt").read_text().splitlines() if len(line.strip()) >= 24]
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(2, len(lines)):
+        head, tail = halves(lines[i])
+        if i % 7 or not head:
+            continue
+        if len(rows) == n:
+            break
+        words = tail.split(" ")
+        options = [tail, " ".join(reversed(words)), " ".join(w[::-1] for w in words)]
+        options = [o if k == 0 or o != tail else o + " )" for k, o in enumerate(options)]  # never the answer twice
+        order = rng.permutation(len(options))
+        rows.append({"prompt": "\n".join(lines[i - 2:i]) + "\n" + head, "choices": [options[k] for k in order],
+                     "answer": int(np.argmax(order == 0))})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_task_metrics_pass_fp32_and_int8_and_fail_the_damaged_artifact(trained, tmp_path, capsys):
+    """A labelled multiple-choice set scored on each artifact and on the reference checkpoint in the same run: FP32
+    equals the reference to the example, INT8 stays within the gate, a copy crushed to 2 bits (one set of four levels
+    a tensor: the per-column 2-bit copy above barely changes its answers here) fails it naming the set and the
+    metric; its drop's interval excludes zero."""
+    mc = cloze_set(trained["ckpt"], tmp_path / "cloze.jsonl")
+    arts = dict(trained["artifacts"], bad=degrade(trained["artifacts"]["fp32"], tmp_path / "crushed", per_tensor=True))
+    (tmp_path / "gate.toml").write_text("[gate]\nmax_accuracy_drop = 0.05\n")
+    assert main(["report", str(arts["fp32"]), str(arts["int8"]), str(arts["bad"]), "--reference", str(trained["ckpt"]),
+                 "--eval", str(mc), "--max-texts", "4", "--latency-seconds", "0.3", "--threads", "2", "-q",
+                 "--config", str(tmp_path / "gate.toml"), "-o", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy (cloze.jsonl)" in out
+    acc = {n: entry(tmp_path / "r", i)["tasks"][0]["metrics"]["accuracy"] for i, n in enumerate(("fp32", "int8", "bad"))}
+    assert acc["fp32"]["reference"] > 0.8  # the trained model reads code: far above a guess (a third)
+    assert acc["fp32"]["drop"] == 0 and acc["fp32"]["drop_interval"] == [0, 0]
+    assert acc["bad"]["drop"] > 0.1 and acc["bad"]["drop_interval"][0] > 0
+    assert entry(tmp_path / "r", 2)["tasks"][0]["examples"] == 48
+    report = str(tmp_path / "r" / "report.json")
+    assert main(["gate", report, "--artifact", str(arts["fp32"]), "--config", str(tmp_path / "gate.toml")]) == 0
+    assert main(["gate", report, "--artifact", str(arts["int8"]), "--config", str(tmp_path / "gate.toml")]) == 0
+    capsys.readouterr()
+    assert main(["gate", report, "--artifact", str(arts["bad"]), "--config", str(tmp_path / "gate.toml")]) == 1
+    err = capsys.readouterr()
+    assert "max_accuracy_drop" in err.err and "cloze.jsonl" in err.out
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "| cloze.jsonl | multiple_choice | 48 | accuracy |" in md
+    # lm-evaluation-harness on the same data, offline, through its command line with the kiln model type: the same
+    # accuracy as the report's for the damaged artifact (and it imports no torch to run an artifact)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "cloze.yaml").write_text(
+        f"task: kiln_cloze\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {mc}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: \"{{prompt}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"))
+    subprocess.run([sys.executable, "-m", "kiln.evaluate.lm_eval", "run", "--model", "kiln", "--model_args",
+                    f"artifact={arts['bad']},threads=2,check=false", "--tasks", "kiln_cloze", "--include_path",
+                    str(tmp_path / "tasks"), "--output_path", str(tmp_path / "lm")], check=True, env=env,
+                   capture_output=True, text=True, timeout=600)
+    results = json.loads(next((tmp_path / "lm").rglob("results*.json")).read_text())["results"]["kiln_cloze"]
+    assert results["acc,none"] == pytest.approx(acc["bad"]["value"], abs=1e-12)
