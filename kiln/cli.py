@@ -208,10 +208,11 @@ def _parser() -> argparse.ArgumentParser:
                                     "(default: English sentences of the Python docs)")
     rep.add_argument("--eval", action="append", default=[], metavar="FILE",
                      help="labelled JSONL scored with task metrics, the reference beside each artifact (repeatable): "
-                          "text+label (accuracy, macro-F1), prompt+choices+answer (multiple-choice accuracy), "
+                          "text+label (accuracy, macro-F1), tokens+tags (entity F1), prompt+choices+answer "
+                          "(multiple-choice accuracy), "
                           "prompt+answer (exact match), source+reference (BLEU, chrF), text (perplexity)")
-    rep.add_argument("--eval-task", choices=["classification", "multiple_choice", "exact_match", "translation",
-                                             "summarization", "perplexity"],
+    rep.add_argument("--eval-task", choices=["classification", "token_classification", "multiple_choice",
+                                             "exact_match", "translation", "summarization", "perplexity"],
                      help="the task of the --eval sets where their fields do not say it (summarization: ROUGE)")
     rep.add_argument("--eval-chat", action="store_true",
                      help="decoders: render each --eval prompt through the artifact's chat template (instruct models)")

@@ -33,8 +33,8 @@ THRESHOLDS: dict[str, tuple[str, str, str]] = {
 
 # Task metrics (``kiln report --eval``), per evaluation set: the artifact's value, its drop against the reference
 # checkpoint (absolute, and in % of the reference's value). Metric keys read "task:METRIC:FIELD".
-TASK_METRICS = {"accuracy": "accuracy", "f1": "f1_macro", "exact_match": "exact_match", "bleu": "bleu",
-                "chrf": "chrf", "rouge1": "rouge1", "rouge2": "rouge2", "rouge_l": "rouge_l"}
+TASK_METRICS = {"accuracy": "accuracy", "f1": "f1_macro", "entity_f1": "entity_f1", "exact_match": "exact_match",
+                "bleu": "bleu", "chrf": "chrf", "rouge1": "rouge1", "rouge2": "rouge2", "rouge_l": "rouge_l"}
 for _short, _metric in TASK_METRICS.items():
     THRESHOLDS[f"min_{_short}"] = (f"task:{_metric}:value", "min", _metric)
     THRESHOLDS[f"max_{_short}_drop"] = (f"task:{_metric}:drop", "max", f"{_metric} drop")

@@ -115,7 +115,7 @@ class ReferenceScorer:
     def classify(self, ids: list[int]) -> np.ndarray:
         arr = np.asarray([ids], np.int64)
         out = self.ref.outputs(ids, make_feeds(arr, np.ones_like(arr), self.ref.eager.input_names))
-        return np.asarray(out["logits"] if "logits" in out else next(iter(out.values()))).reshape(-1)
+        return np.asarray(out["logits"] if "logits" in out else next(iter(out.values())))[0]
 
     def logits(self, ids: list[int]) -> np.ndarray:
         return np.asarray(self.ref.outputs(ids, _feeds(ids))["logits"][0])

@@ -8,6 +8,9 @@ fields                          task             metrics
 ==============================  ===============  ==================================================================
 ``text``, ``label``             classification   accuracy, macro-F1 (sequence classifiers; a label is its id or
                                                  its name in the checkpoint's ``id2label``)
+``tokens``, ``tags``            token_          entity F1 (micro, exact spans from BIO tags as conlleval reads
+                                classification   them) and tag accuracy, a word's tag predicted on its first
+                                                 token (token classifiers)
 ``prompt``, ``choices``,        multiple_choice  accuracy: the choice whose tokens the model gives the highest
 ``answer``                                       log-likelihood after the prompt and one space, split as
                                                  lm-evaluation-harness splits them (decoders; the answer is an
@@ -37,7 +40,8 @@ import numpy as np
 
 from kiln.errors import UsageError
 
-TASKS = ("classification", "multiple_choice", "exact_match", "translation", "summarization", "perplexity")
+TASKS = ("classification", "token_classification", "multiple_choice", "exact_match", "translation", "summarization",
+         "perplexity")
 MAX_EVAL_BYTES = 64 << 20
 MAX_FIELD_CHARS = 20_000
 MAX_CHOICES = 26
@@ -48,7 +52,8 @@ CONFIDENCE = 0.95
 
 # metric -> (label, higher is better); the order a report prints them
 METRICS: dict[str, tuple[str, bool]] = {
-    "accuracy": ("accuracy", True), "f1_macro": ("macro-F1", True), "exact_match": ("exact match", True),
+    "accuracy": ("accuracy", True), "f1_macro": ("macro-F1", True), "entity_f1": ("entity F1", True),
+    "exact_match": ("exact match", True),
     "bleu": ("BLEU", True), "chrf": ("chrF", True), "rouge1": ("ROUGE-1", True), "rouge2": ("ROUGE-2", True),
     "rouge_l": ("ROUGE-L", True), "perplexity": ("perplexity", False),
 }
@@ -58,7 +63,7 @@ class Scorer(Protocol):
     """One model as the tasks see it, on token ids of the artifact's tokenizer."""
 
     def classify(self, ids: list[int]) -> np.ndarray:
-        """Class logits (labels,) of one text."""
+        """Class logits (labels,) of one text; token classifiers: (len(ids), labels)."""
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """Next-token logits (len(ids), vocab) of one sequence (decoders)."""
@@ -88,6 +93,8 @@ class Outcome:
 
 
 def infer_task(keys: set[str]) -> str | None:
+    if {"tokens", "tags"} <= keys:
+        return "token_classification"
     if {"prompt", "choices", "answer"} <= keys:
         return "multiple_choice"
     if {"prompt", "answer"} <= keys:
@@ -101,7 +108,7 @@ def infer_task(keys: set[str]) -> str | None:
     return None
 
 
-FIELDS = {"classification": ("text", "label"), "multiple_choice": ("prompt", "choices", "answer"),
+FIELDS = {"classification": ("text", "label"), "token_classification": ("tokens", "tags"), "multiple_choice": ("prompt", "choices", "answer"),
           "exact_match": ("prompt", "answer"), "translation": ("source", "reference"),
           "summarization": ("source", "reference"), "perplexity": ("text",)}
 
@@ -156,6 +163,15 @@ def _checked(row: dict[str, Any], task: str, where: str) -> dict[str, Any]:
         if isinstance(label, bool) or not isinstance(label, (int, str)) or (isinstance(label, int) and label < 0):
             raise UsageError(f"{where}: \"label\" must be a class id (0, 1, ...) or a label name")
         return {"text": _text(row, "text", where), "label": label}
+    if task == "token_classification":
+        words, tags = row["tokens"], row["tags"]
+        if not isinstance(words, list) or not isinstance(tags, list) or not words or len(words) != len(tags) or \
+                len(words) > 512:
+            raise UsageError(f"{where}: \"tokens\" and \"tags\" must be lists of the same length (1 to 512 words)")
+        if not all(isinstance(w, str) and w and len(w) <= 200 for w in words) or not all(
+                isinstance(t, str) and 0 < len(t) <= 64 for t in tags):
+            raise UsageError(f"{where}: every word and tag must be a non-empty string (words up to 200 characters)")
+        return {"tokens": words, "tags": tags}
     if task == "multiple_choice":
         choices = row["choices"]
         if not isinstance(choices, list) or not 2 <= len(choices) <= MAX_CHOICES:
@@ -214,6 +230,7 @@ class Text:
     limit: int  # tokens a sequence may hold
     chat: Callable[[str], str] | None = None  # one user message through the chat template, ready for the answer
     framed: Callable[[str], list[int]] | None = None  # with the tokenizer's special tokens ([CLS] .. [SEP], </s>)
+    words: Callable[[list[str]], tuple[list[int], list[int | None]]] | None = None  # pre-split words, word of each token
 
     def cut(self, tokens: Sequence[int]) -> str:
         """Generated tokens up to the first stop token, decoded; its first non-empty line, stripped."""
@@ -246,7 +263,36 @@ def normalized(answer: str) -> str:
 
 def run_set(scorer: Scorer, s: EvalSet, text: Text, seq2seq: bool = False) -> Outcome:
     out = Outcome(s.task)
-    if s.task == "classification":
+    if s.task == "token_classification":
+        if text.words is None:
+            raise UsageError(f"--eval {s.path}: this artifact's tokenizer cannot take pre-split words")
+        names = {i: n for n, i in text.labels.items()}
+        counts, correct, total = [], [], []
+        for row in s.rows:
+            for tag in row["tags"]:
+                if tag not in text.labels:
+                    raise UsageError(f"--eval {s.path}: tag {tag!r} is not one of the model's labels "
+                                     f"({', '.join(sorted(text.labels)[:8])}); use its id2label names")
+            ids, word_of = text.words(row["tokens"])
+            if len(ids) > text.limit:
+                raise UsageError(f"--eval {s.path}: a sentence of {len(row['tokens'])} words takes {len(ids)} tokens, "
+                                 f"more than the model's {text.limit}; split it")
+            logits = np.asarray(scorer.classify(ids)).reshape(len(ids), -1)
+            first: dict[int, int] = {}
+            for t, w in enumerate(word_of):
+                if w is not None and w not in first:
+                    first[w] = t
+            pred = [names.get(int(np.argmax(logits[first[w]])), "O") if w in first else "O"
+                    for w in range(len(row["tokens"]))]
+            out.predictions.append(pred)
+            gold_spans, pred_spans = entities(row["tags"]), entities(pred)
+            tp = len(gold_spans & pred_spans)
+            counts.append((tp, len(pred_spans) - tp, len(gold_spans) - tp))
+            correct.append(sum(p == g for p, g in zip(pred, row["tags"])))
+            total.append(len(pred))
+        out.values = {"tp_fp_fn": np.asarray(counts, float), "correct": np.asarray(correct, float),
+                      "words": np.asarray(total, float)}
+    elif s.task == "classification":
         correct, preds, golds = [], [], []
         for row in s.rows:
             pred = int(np.argmax(scorer.classify(_clip(text.inputs(row["text"]), text.limit))))
@@ -314,6 +360,22 @@ def _prompt(text: Text, prompt: str, s: EvalSet) -> list[int]:
     return ids
 
 
+def entities(tags: Sequence[str]) -> set[tuple[int, int, str]]:
+    """(start, end, type) spans of BIO tags as conlleval reads them: B-X starts an entity, I-X continues one of type X
+    and starts one after anything else; O and unprefixed tags are outside."""
+    spans: set[tuple[int, int, str]] = set()
+    start, kind = None, None
+    for i, tag in enumerate([*tags, "O"]):
+        prefix, _, name = tag.partition("-") if "-" in tag else ("O", "", "")
+        inside = prefix in ("I", "E") and kind == name and start is not None
+        if start is not None and not inside:
+            spans.add((start, i, kind or ""))
+            start, kind = None, None
+        if prefix in ("B", "S") or (prefix in ("I", "E") and not inside):
+            start, kind = i, name
+    return spans
+
+
 def label_id(label: int | str, labels: dict[str, int], path: Path) -> int:
     if isinstance(label, int):
         if labels and label not in labels.values():
@@ -362,6 +424,11 @@ def _sacrebleu() -> Any:
 def metric_values(out: Outcome, s: EvalSet, idx: np.ndarray) -> dict[str, float]:
     """The set's metrics over the examples ``idx`` (all of them, or a bootstrap resample)."""
     v = out.values
+    if s.task == "token_classification":
+        tp, fp, fn = v["tp_fp_fn"][idx].sum(0)
+        # no entity in the gold tags or the predictions: nothing to measure (NaN; absent from the report)
+        return {"entity_f1": float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn else math.nan,
+                "accuracy": float(v["correct"][idx].sum() / max(v["words"][idx].sum(), 1.0))}
     if s.task == "classification":
         return {"accuracy": float(v["correct"][idx].mean()), "f1_macro": f1_macro(v["pred"][idx], v["gold"][idx])}
     if s.task == "multiple_choice":
@@ -386,6 +453,7 @@ def compare(art: Outcome, ref: Outcome, s: EvalSet, seed: int = 0) -> dict[str, 
     value, reference = metric_values(art, s, everything), metric_values(ref, s, everything)
     rounds = CORPUS_BOOTSTRAP if s.task == "translation" else BOOTSTRAP
     rng = np.random.default_rng(seed)
+    value = {k: v for k, v in value.items() if math.isfinite(v) and math.isfinite(reference[k])}
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in value}
     for _ in range(rounds):
         idx = rng.integers(0, n, n)
@@ -396,6 +464,7 @@ def compare(art: Outcome, ref: Outcome, s: EvalSet, seed: int = 0) -> dict[str, 
     metrics = {}
     for k in value:
         got = np.asarray(samples[k])
+        got = got[np.isfinite(got).all(1)]  # a resample may hold no entity at all
         drop = _drop(k, value[k], reference[k])
         metrics[k] = {"value": value[k], "reference": reference[k], "drop": drop,
                       "drop_pct": 100.0 * drop / abs(reference[k]) if reference[k] else None,
@@ -431,7 +500,7 @@ class ArtifactScorer:
     def classify(self, ids: list[int]) -> np.ndarray:
         got = self.model.run(self._feeds(ids))
         name = "logits" if "logits" in got else next(iter(got))
-        return np.asarray(got[name]).reshape(-1)
+        return np.asarray(got[name])[0]
 
     def logits(self, ids: list[int]) -> np.ndarray:
         return np.asarray(self.model.run(self._feeds(ids))["logits"][0])
@@ -459,18 +528,18 @@ def text_of(model: Any) -> Text:
         return [int(t) for t in enc.encode([text], limit, truncate=True)["input_ids"][0]]
 
     return Text(enc.encode_ids, lambda ids: enc.decode(ids), [int(t) for t in (data.get("generation") or {}).get(
-        "eos_token_ids", [])], labels, limit, chat, framed)
+        "eos_token_ids", [])], labels, limit, chat, framed, enc.encode_words)
 
 
 def check_task(s: EvalSet, data: dict[str, Any], path: Path) -> None:
     """Refuse a set the artifact cannot answer, naming both (``data``: the artifact's manifest)."""
     kind = data["model"]["kind"]
-    wants = {"classification": ("encoder",), "multiple_choice": ("decoder",), "perplexity": ("decoder",),
+    wants = {"classification": ("encoder",), "token_classification": ("encoder",), "multiple_choice": ("decoder",), "perplexity": ("decoder",),
              "exact_match": ("decoder", "seq2seq"), "translation": ("decoder", "seq2seq"),
              "summarization": ("decoder", "seq2seq")}[s.task]
     if kind not in wants:
         raise UsageError(f"--eval {s.path} is a {s.task} set but {path} is a {kind} artifact; {s.task} needs a "
                          f"{' or '.join(wants)} artifact (give the right artifact, or pass --eval-task)")
-    if s.task == "classification" and not data["model"].get("labels"):
+    if s.task in ("classification", "token_classification") and not data["model"].get("labels"):
         raise UsageError(f"--eval {s.path} is a classification set but {path} has no classification head (no labels); "
                          "compile the checkpoint with its sequence-classification head")

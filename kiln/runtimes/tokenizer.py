@@ -94,6 +94,12 @@ class TextEncoder:
         """Token ids of one text of any length, without special tokens (for scoring long documents)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_words(self, words: list[str]) -> tuple[list[int], list[int | None]]:
+        """Token ids of pre-split words with the artifact's special tokens, and the word each token came from (None:
+        a special token): a token classifier's input and how its predictions map back to the words."""
+        enc = self._tok.encode(words, is_pretokenized=True, add_special_tokens=self.add_special_tokens)
+        return list(enc.ids), list(enc.word_ids)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

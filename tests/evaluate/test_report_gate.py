@@ -39,14 +39,16 @@ def rtn_2bit(w: np.ndarray, per_tensor: bool = False) -> np.ndarray:
 
 
 def degrade(artifact, out, per_tensor: bool = False):
+    """A copy of ``artifact`` whose every graph (a decoder's one, an encoder-decoder's two) has 2-bit weights."""
     shutil.copytree(artifact, out)
-    model = onnx.load(str(out / "model.onnx"))
-    for t in model.graph.initializer:
-        w = numpy_helper.to_array(t)
-        if w.ndim == 2 and w.dtype == np.float32 and min(w.shape) >= 32:
-            t.CopyFrom(numpy_helper.from_array(rtn_2bit(w, per_tensor), t.name))
-    onnx.save(model, str(out / "model.onnx"))
     manifest = json.loads((out / "manifest.json").read_text())
+    for graph in sorted(set(manifest["graphs"].values())):
+        model = onnx.load(str(out / graph))
+        for t in model.graph.initializer:
+            w = numpy_helper.to_array(t)
+            if w.ndim == 2 and w.dtype == np.float32 and min(w.shape) >= 32:
+                t.CopyFrom(numpy_helper.from_array(rtn_2bit(w, per_tensor), t.name))
+        onnx.save(model, str(out / graph))
     manifest.pop("files")
     write_manifest(out, manifest)  # re-hash: the artifact is consistent, just bad
     return out

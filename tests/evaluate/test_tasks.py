@@ -211,3 +211,45 @@ def test_gate_on_is_read_from_toml_and_checked(tmp_path):
     (tmp_path / "kiln.toml").write_text('[gate]\ngate_on = "upper"\n')
     with pytest.raises(gate.GateInputError, match="no thresholds"):
         gate.load_thresholds(None, {}, tmp_path)
+
+
+def test_entities_are_read_as_conlleval_reads_bio_tags():
+    tags = ["B-PER", "I-PER", "O", "I-LOC", "I-LOC", "B-LOC", "B-ORG", "I-PER", "O"]
+    assert tasks.entities(tags) == {(0, 2, "PER"), (3, 5, "LOC"), (5, 6, "LOC"), (6, 7, "ORG"), (7, 8, "PER")}
+    assert tasks.entities(["O", "O"]) == set()
+
+
+def test_token_classification_scores_each_word_on_its_first_token(tmp_path):
+    text = tasks.Text(encode=lambda t: [], decode=lambda ids: "", stop=[], labels={"O": 0, "B-PER": 1, "I-PER": 2},
+                      limit=64, words=lambda words: ([0, *range(1, 2 * len(words) + 1), 0],
+                                                     [None, *(i // 2 for i in range(2 * len(words))), None]))
+
+    class Tagger:  # tags token t with label (t // 2) % 3 ... except the second token of each word, which it garbles
+        def classify(self, ids):
+            out = np.zeros((len(ids), 3))
+            for t in range(len(ids)):
+                out[t, [0, 1, 2][(t - 1) // 2 % 3] if t % 2 else 0] = 1.0
+            return out
+
+    s = tasks.read_eval(write(tmp_path / "t.jsonl", [{"tokens": ["Ada", "Love", "x"], "tags": ["O", "B-PER", "I-PER"]},
+                                                     {"tokens": ["Bob", "y"], "tags": ["B-PER", "O"]}]))
+    assert s.task == "token_classification"
+    out = tasks.run_set(Tagger(), s, text)
+    assert out.predictions == [["O", "B-PER", "I-PER"], ["O", "B-PER"]]
+    got = tasks.metric_values(out, s, np.arange(2))
+    # entities: gold {(1,3,PER)}, {(0,1,PER)}; predicted {(1,3,PER)}, {(1,2,PER)}: tp 1, fp 1, fn 1
+    assert got["entity_f1"] == pytest.approx(0.5) and got["accuracy"] == pytest.approx(3 / 5)
+    bad = tasks.read_eval(write(tmp_path / "u.jsonl", [{"tokens": ["a"], "tags": ["B-LOC"]}]))
+    with pytest.raises(UsageError, match="tag 'B-LOC' is not one of the model's labels"):
+        tasks.run_set(Tagger(), bad, text)
+    with pytest.raises(UsageError, match="lists of the same length"):
+        tasks.read_eval(write(tmp_path / "v.jsonl", [{"tokens": ["a", "b"], "tags": ["O"]}]))
+
+
+def test_a_set_without_entities_has_no_entity_f1():
+    """Nothing to measure is absent, never a score: no gold and no predicted entity leaves entity F1 out."""
+    s = tasks.EvalSet(tasks.Path("t.jsonl"), "token_classification", [{}] * 3)
+    out = tasks.Outcome("token_classification", {"tp_fp_fn": np.zeros((3, 3)), "correct": np.ones(3) * 2,
+                                                 "words": np.ones(3) * 2})
+    got = tasks.compare(out, out, s)["metrics"]
+    assert "entity_f1" not in got and got["accuracy"]["value"] == 1.0
