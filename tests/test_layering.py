@@ -23,8 +23,10 @@ ALLOWED = {
     "kiln.compiler": {"kiln.errors", "kiln.runtimes", "kiln.passes"},
     "kiln.evaluate": {"kiln.errors", "kiln.runtimes", "kiln.passes", "kiln.compiler"},
 }
-RUNTIME_ONLY = {"kiln.evaluate.bench", "kiln.evaluate.gate", "kiln.evaluate.options", "kiln.evaluate.fmt"}
-"""``kiln bench`` and ``kiln gate`` run where only the runtime is installed (a release pipeline's gate job)."""
+RUNTIME_ONLY = {"kiln.evaluate.bench", "kiln.evaluate.gate", "kiln.evaluate.options", "kiln.evaluate.fmt",
+                "kiln.evaluate.tasks", "kiln.evaluate.lm_eval"}
+"""``kiln bench`` and ``kiln gate`` run where only the runtime is installed (a release pipeline's gate job), and so
+do the task metrics' artifact side and the lm-evaluation-harness model type."""
 
 
 def modules(root: Path) -> dict[str, Path]:

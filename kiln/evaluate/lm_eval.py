@@ -30,6 +30,7 @@ except ImportError as e:  # this module is named after the package it adapts; it
 import kiln.runtimes as kr
 from kiln.errors import UsageError
 from kiln.evaluate import tasks
+from kiln.runtimes.sampling import log_softmax
 
 
 @register_model("kiln")
@@ -79,7 +80,7 @@ class KilnLM(LM):
             while done < len(ids):
                 end = min(len(ids), done + self.text.limit - 1)
                 start = max(0, end - self.text.limit)
-                lp = tasks.log_softmax(self.scorer.logits(ids[start:end])[done - start - 1:end - start - 1])
+                lp = log_softmax(self.scorer.logits(ids[start:end])[done - start - 1:end - start - 1])
                 total += float(lp[np.arange(end - done), ids[done:end]].sum())
                 done = end
             out.append(total)

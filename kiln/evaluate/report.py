@@ -113,12 +113,11 @@ class ReferenceScorer:
         self.pad = pad
 
     def classify(self, ids: list[int]) -> np.ndarray:
-        arr = np.asarray([ids], np.int64)
-        out = self.ref.outputs(ids, make_feeds(arr, np.ones_like(arr), self.ref.eager.input_names))
+        out = self.ref.outputs(ids, make_feeds(*tasks.row_feeds(ids).values(), self.ref.eager.input_names))
         return np.asarray(out["logits"] if "logits" in out else next(iter(out.values())))[0]
 
     def logits(self, ids: list[int]) -> np.ndarray:
-        return np.asarray(self.ref.outputs(ids, _feeds(ids))["logits"][0])
+        return np.asarray(self.ref.outputs(ids, tasks.row_feeds(ids))["logits"][0])
 
     def generate(self, ids: list[int], new: int) -> list[int]:
         if self.ref.ckpt.kind == "seq2seq":
@@ -296,16 +295,11 @@ def verdict(entry: dict[str, Any], thresholds: dict[str, float]) -> dict[str, An
                         "limit": c.threshold, "value": c.value, "passed": c.passed} for c in checks]}
 
 
-def _feeds(ids: list[int]) -> dict[str, np.ndarray]:
-    arr = np.asarray([ids], np.int64)
-    return {"input_ids": arr, "attention_mask": np.ones_like(arr)}
-
-
 def decoder_metrics(model: kr.Model, reference: Reference, rows: list[list[int]],
                     errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
     terms: list[dict[str, np.ndarray]] = []
     for ids in rows:
-        feeds = _feeds(ids)
+        feeds = tasks.row_feeds(ids)
         got = model.run(feeds)["logits"][0].astype(np.float64)
         ref = reference.outputs(ids, feeds)["logits"][0].astype(np.float64)
         errors.setdefault("logits", []).append(np.abs(got - ref).ravel())
@@ -372,7 +366,7 @@ def encoder_metrics(model: kr.Model, reference: Reference, rows: list[list[int]]
                     errors: dict[str, list[np.ndarray]]) -> dict[str, Any]:
     cos = []
     for ids in rows:
-        feeds = make_feeds(*[np.asarray(x) for x in _feeds(ids).values()], reference.eager.input_names)
+        feeds = make_feeds(*[np.asarray(x) for x in tasks.row_feeds(ids).values()], reference.eager.input_names)
         got = model.run({k: v for k, v in feeds.items() if k in model.input_names})
         ref = reference.outputs(ids, feeds)
         for name in ref:
@@ -412,7 +406,7 @@ def layer_errors(root: Path, model: kr.Model, reference: Reference, rows: list[l
     wanted = {i.name for i in sess.get_inputs()}
     per_layer: dict[int, list[tuple[str, float]]] = {}
     for ids in rows:
-        feeds = _feeds(ids)
+        feeds = tasks.row_feeds(ids)
         # the runtime's own filling of optional inputs (token types, an empty KV cache)
         full = prepare_feeds(model.manifest.inputs, feeds, model.max_sequence_length)
         got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in full.items() if k in wanted})))
@@ -429,7 +423,7 @@ def latency_rounds(models: list[kr.Model], rows: list[list[int]], budget_s: floa
     """Each artifact's latency at batch 1 on the longest text, timed in LATENCY_ROUNDS alternating rounds (as
     ``kiln bench`` does) so machine drift hits every artifact alike: warm-up, then each round gives every artifact
     an equal share of ``budget_s`` (at least 3 runs)."""
-    feeds = _feeds(max(rows, key=len))
+    feeds = tasks.row_feeds(max(rows, key=len))
     seq2seq = "decoder" in models[0].runtimes
 
     def once(m: kr.Model) -> None:

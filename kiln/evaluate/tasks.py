@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kiln.errors import UsageError
+from kiln.runtimes.sampling import log_softmax
 
 TASKS = ("classification", "token_classification", "multiple_choice", "exact_match", "translation", "summarization",
          "perplexity")
@@ -192,12 +193,6 @@ def _checked(row: dict[str, Any], task: str, where: str) -> dict[str, Any]:
 
 # ---- running one model on a set -----------------------------------------------------------------------------------
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 def continuation(encode: Callable[[str], list[int]], context: str, cont: str) -> tuple[list[int], list[int]]:
     """Token ids of a context and of its continuation, as lm-evaluation-harness splits them: a context's trailing
     spaces move to the continuation, the whole is tokenised once and the continuation is what follows the context's
@@ -295,7 +290,7 @@ def run_set(scorer: Scorer, s: EvalSet, text: Text, seq2seq: bool = False) -> Ou
     elif s.task == "classification":
         correct, preds, golds = [], [], []
         for row in s.rows:
-            pred = int(np.argmax(scorer.classify(_clip(text.inputs(row["text"]), text.limit))))
+            pred = int(np.argmax(scorer.classify(text.inputs(row["text"])[:text.limit])))
             gold = label_id(row["label"], text.labels, s.path)
             preds.append(pred)
             golds.append(gold)
@@ -328,13 +323,13 @@ def run_set(scorer: Scorer, s: EvalSet, text: Text, seq2seq: bool = False) -> Ou
     elif s.task in ("translation", "summarization"):
         for row in s.rows:
             ids = text.inputs(row["source"]) if seq2seq else _prompt(text, text.prompt(s, row["source"]), s)
-            out.texts.append(text.cut(scorer.generate(_clip(ids, text.limit), s.max_new_tokens)))
+            out.texts.append(text.cut(scorer.generate(ids[:text.limit], s.max_new_tokens)))
         if s.task == "summarization":
             out.values = rouge_rows(out.texts, [r["reference"] for r in s.rows])
     else:
         nll, count = [], []
         for row in s.rows:
-            ids = _clip(text.encode(row["text"]), text.limit)
+            ids = text.encode(row["text"])[:text.limit]
             if len(ids) < 2:
                 nll.append(0.0)
                 count.append(0.0)
@@ -346,10 +341,6 @@ def run_set(scorer: Scorer, s: EvalSet, text: Text, seq2seq: bool = False) -> Ou
             raise UsageError(f"--eval {s.path}: no text has two or more tokens; give real text")
         out.values = {"nll": np.asarray(nll), "count": np.asarray(count)}
     return out
-
-
-def _clip(ids: list[int], limit: int) -> list[int]:
-    return ids[:limit]
 
 
 def _prompt(text: Text, prompt: str, s: EvalSet) -> list[int]:
@@ -485,6 +476,12 @@ def _drop(metric: str, value: float, reference: float) -> float:
 
 # ---- the artifact's side (kiln.runtimes, no torch) -----------------------------------------------------------------
 
+def row_feeds(ids: list[int]) -> dict[str, np.ndarray]:
+    """One unpadded row: its ids and an all-ones mask."""
+    arr = np.asarray([ids], np.int64)
+    return {"input_ids": arr, "attention_mask": np.ones_like(arr)}
+
+
 class ArtifactScorer:
     """A loaded artifact as a :class:`Scorer`."""
 
@@ -493,21 +490,17 @@ class ArtifactScorer:
         self.kind = model.manifest.data["model"]["kind"]
         self.pad = int((model.manifest.data.get("generation") or {}).get("pad_token_id", 0))
 
-    def _feeds(self, ids: list[int]) -> dict[str, np.ndarray]:
-        arr = np.asarray([ids], np.int64)
-        return {"input_ids": arr, "attention_mask": np.ones_like(arr)}
-
     def classify(self, ids: list[int]) -> np.ndarray:
-        got = self.model.run(self._feeds(ids))
+        got = self.model.run(row_feeds(ids))
         name = "logits" if "logits" in got else next(iter(got))
         return np.asarray(got[name])[0]
 
     def logits(self, ids: list[int]) -> np.ndarray:
-        return np.asarray(self.model.run(self._feeds(ids))["logits"][0])
+        return np.asarray(self.model.run(row_feeds(ids))["logits"][0])
 
     def generate(self, ids: list[int], new: int) -> list[int]:
         if self.kind == "seq2seq":
-            f = self._feeds(ids)
+            f = row_feeds(ids)
             out = self.model.generate(f["input_ids"], f["attention_mask"], max_new_tokens=new, stop_token_ids=[],
                                       pad_token_id=self.pad)
             return [int(t) for t in out[0, 1:]]

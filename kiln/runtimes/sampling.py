@@ -82,6 +82,13 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64 (scores summed over many tokens keep their digits)."""
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 def choose(logits: np.ndarray, seen: np.ndarray, s: Sampling, rng: np.random.Generator) -> np.ndarray:
     """Next token per row: (batch, vocab) logits and (batch, n) tokens so far -> (batch,) int64."""
     x = repetition_penalty(logits.astype(np.float64), seen, s.repetition_penalty)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.runtimes.sampling import log_softmax  # the one home of it: the runtime, the report and lm-eval use it
+
 
 def row_cosines(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
     """Cosine similarity of each row of two (rows, features) arrays; a pair of zero rows counts as identical."""
@@ -49,12 +51,6 @@ def top1_counts(ref: np.ndarray, got: np.ndarray, atol: float) -> dict[str, int]
     decisive = (top[:, -1] - top[:, -2]) > atol
     agree = ref.argmax(-1) == got.argmax(-1)
     return {"decisive": int(decisive.sum()), "agree_decisive": int((agree & decisive).sum()), "agree": int(agree.sum())}
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def next_token_terms(ref: np.ndarray, got: np.ndarray, targets: np.ndarray) -> dict[str, np.ndarray]:
